@@ -1,0 +1,152 @@
+"""A pool of local processes joined in one gloo process group: run a function on every rank.
+
+Tests, the demo and the benchmarks use it instead of spawning processes per call: starting
+torch costs seconds, so the workers live as long as the pool and take one task after another.
+Every collective runs under the process group's timeout and every task under the pool's, so
+a bug fails fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_MESHES: dict[tuple, Any] = {}
+
+
+def get_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str = "cpu"):
+    """A DeviceMesh over this worker's process group, created once per (shape, names)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (tuple(shape), tuple(names), device_type)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    return _MESHES[key]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, collective_timeout, threads, tasks, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=collective_timeout),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankFailure(RuntimeError):
+    """A task raised on some rank; the message holds that rank's traceback."""
+
+
+class LocalRanks:
+    """`world_size` local processes in a gloo group; `run(fn, *args)` returns each rank's result."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        collective_timeout: float = 60.0,
+        threads_per_rank: int = 1,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.collective_timeout = collective_timeout
+        self.threads_per_rank = threads_per_rank
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self.collective_timeout,
+                      self.threads_per_rank, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
+        """Call `fn(*args, **kwargs)` on every rank; return the results in rank order."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        deadline = timeout or self.timeout
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        start = datetime.datetime.now()
+        while len(results) + len(failures) < self.world_size:
+            left = deadline - (datetime.datetime.now() - start).total_seconds()
+            if failures:  # the other ranks may be stuck in a collective: give them a moment
+                left = min(left, 5.0)
+            try:
+                rank, ok, value = self._results.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                break
+            (results if ok else failures)[rank] = value
+        missing = sorted(set(range(self.world_size)) - results.keys() - failures.keys())
+        if failures or missing:
+            self.close()  # a rank that failed or hangs leaves the group unusable
+        if failures:
+            rank = min(failures)
+            raise RankFailure(f"{fn.__name__} failed on rank {rank}:\n{failures[rank]}")
+        if missing:
+            raise TimeoutError(
+                f"{fn.__name__} did not finish within {deadline:.0f} s on ranks {missing}"
+            )
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the workers (the pool restarts itself on the next `run`)."""
+        for p, q in zip(self._procs, getattr(self, "_tasks", [])):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+
+    def __enter__(self) -> LocalRanks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

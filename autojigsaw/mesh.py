@@ -1,0 +1,81 @@
+"""MeshSpec: the named axes and sizes of a device mesh, all that planning needs to know of it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Axis names and sizes of a (possibly abstract) device mesh, outermost axis first."""
+
+    axis_names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.axis_names) != len(self.sizes) or not self.sizes:
+            raise ValueError(
+                f"a mesh needs one size per axis name, got names {self.axis_names} "
+                f"and sizes {self.sizes}"
+            )
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise ValueError(f"mesh axis names must be unique, got {self.axis_names}")
+        for name, size in zip(self.axis_names, self.sizes):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes are positive ints")
+
+    @classmethod
+    def of(cls, mesh) -> MeshSpec:
+        """A MeshSpec from a DeviceMesh, a MeshSpec, or a mapping such as {"domain": 8, "tensor": 8}."""
+        if isinstance(mesh, MeshSpec):
+            return mesh
+        if isinstance(mesh, Mapping):
+            return cls(tuple(str(k) for k in mesh), tuple(int(v) for v in mesh.values()))
+        names = getattr(mesh, "mesh_dim_names", None)
+        if names is None:
+            if hasattr(mesh, "mesh"):
+                raise ValueError(
+                    "the DeviceMesh has no axis names: create it with "
+                    "init_device_mesh(..., mesh_dim_names=('domain', 'tensor'))"
+                )
+            raise ValueError(
+                f"mesh must be a torch DeviceMesh or a mapping of axis name to size, got {mesh!r}"
+            )
+        return cls(tuple(names), tuple(int(s) for s in mesh.mesh.shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def axis_index(self, axis: str | int) -> int:
+        """The position of `axis` (a name or an index), with an error that lists the axes."""
+        if isinstance(axis, int) and 0 <= axis < self.ndim:
+            return axis
+        if axis in self.axis_names:
+            return self.axis_names.index(axis)
+        raise ValueError(f"mesh has no axis {axis!r}; its axes are {self.axis_names}")
+
+    def size(self, axis: str | int) -> int:
+        return self.sizes[self.axis_index(axis)]
+
+    def describe(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.sizes))
+
+    @cached_property
+    def fake_device_mesh(self):
+        """A DeviceMesh of this shape with no process group behind it (for DTensor's rules)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(self.world_size).reshape(self.sizes)
+        return DeviceMesh(
+            "cpu", ranks, mesh_dim_names=self.axis_names, _init_backend=False, _rank=0
+        )

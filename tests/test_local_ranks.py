@@ -1,0 +1,43 @@
+"""The worker pool itself: results in rank order, errors and hangs reported, pool reusable."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autojigsaw.local_ranks import LocalRanks, RankFailure
+
+
+def _rank_and_sum():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on one")
+    dist.barrier()
+
+
+def _sleep_forever_on_rank_zero():
+    if dist.get_rank() == 0:
+        import time
+
+        time.sleep(60)
+    return True
+
+
+def test_results_in_rank_order(ranks2):
+    assert ranks2.run(_rank_and_sum) == [(0, 1.0), (1, 1.0)]
+
+
+def test_failure_names_rank_and_pool_recovers(ranks2):
+    with pytest.raises(RankFailure, match="(?s)rank 1.*boom on one"):
+        ranks2.run(_fail_on_rank_one)
+    assert ranks2.run(_rank_and_sum) == [(0, 1.0), (1, 1.0)]
+
+
+def test_hang_times_out():
+    with LocalRanks(2, timeout=3) as pool:
+        with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
+            pool.run(_sleep_forever_on_rank_zero)
