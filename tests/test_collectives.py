@@ -89,7 +89,7 @@ def _slice_and_partial_case():
             dist.all_reduce(got)
         out[mode] = (torch.equal(y, _chunk(full, 1, n, r)[0]), torch.allclose(got, grad))
     x = full.clone().requires_grad_()
-    y = C.to_partial(x, op="sum", coord=r, n=n)
+    y = C.to_partial(x, op="sum", coord=r, n=n, grad="R")
     total = y.detach().clone()
     dist.all_reduce(total)
     y.backward(grad)  # the gradient of a Partial value is full on every rank

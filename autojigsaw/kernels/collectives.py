@@ -222,16 +222,21 @@ class _ShardSlice(torch.autograd.Function):
 
 class _ToPartial(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, op, coord, n):
-        ctx.scale = n if op == "avg" else 1
+    def forward(ctx, x, op, coord, n, grad):
+        ctx.args = (op, coord, n, grad)
         if op == "sum" and coord != 0:
             return torch.zeros_like(x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        # Every rank holds the full gradient of the Partial value: pass it on as "R".
-        return g * ctx.scale if ctx.scale != 1 else g, None, None, None
+        # Every rank holds the full gradient of the Partial value (g / n for an average).
+        op, coord, n, grad = ctx.args
+        if op == "avg":
+            g = g * n
+        if grad == "P" and coord != 0:
+            g = torch.zeros_like(g)
+        return g, None, None, None, None
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -288,11 +293,11 @@ def shard_slice(x, *, dim: int, sizes: tuple[int, ...], coord: int, axis: str, g
     return _ShardSlice.apply(x, dim, sizes, coord, axis, group, grad)
 
 
-def to_partial(x, *, op: str, coord: int, n: int):
+def to_partial(x, *, op: str, coord: int, n: int, grad: str):
     """Replicate -> Partial(op): a sum keeps the value on the first rank only, avg on all."""
     if op not in ("sum", "avg"):
         raise ValueError(f"cannot turn a replicated value into Partial({op}); only sum and avg")
-    return _ToPartial.apply(x, op, coord, n)
+    return _ToPartial.apply(x, op, coord, n, grad)
 
 
 def grad_all_reduce(x, *, n: int, axis: str, group: str):

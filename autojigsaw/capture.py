@@ -1,0 +1,74 @@
+"""Capture: torch.export (non-strict) of the model into an ATen FX graph with shapes in node.meta.
+
+Why export and not symbolic_trace: it captures Hugging Face GPT-2, Llama, BERT and ViT,
+works from the meta device, and records every node's fake value ("val") with its shape.
+`run_decompositions({})` then lowers composite ops (reshape, flatten, dropout) to the ATen
+ops DTensor has rules for, keeps linear / layer_norm / attention whole, and drops dead code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.export.graph_signature import InputKind
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+# Nodes that only check metadata: they would fail on local shards and compute nothing.
+_DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+@dataclass
+class Captured:
+    """The forward graph of a model and what each of its placeholders stands for."""
+
+    gm: GraphModule
+    params: dict[str, str]  # placeholder name -> parameter FQN
+    buffers: dict[str, str]  # placeholder name -> buffer (or lifted constant) FQN
+    constants: dict[str, torch.Tensor]  # placeholder name -> lifted constant tensor
+    inputs: list[str]  # placeholder names of the user inputs, in flattened order
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+
+    @property
+    def input_shapes(self) -> list[tuple[int, ...] | None]:
+        nodes = {n.name: n for n in self.gm.graph.nodes}
+        return [tuple(v.shape) if isinstance(v := nodes[name].meta.get("val"), torch.Tensor)
+                else None for name in self.inputs]
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+    """Export `model(*args, **kwargs)` into an ATen graph; a clear error if export fails."""
+    kwargs = kwargs or {}
+    try:
+        ep = torch.export.export(model, tuple(args), kwargs, strict=False).run_decompositions({})
+    except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
+        raise ValueError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}\n"
+            "autojigsaw needs a model that torch.export(strict=False) can trace: remove "
+            "data-dependent Python control flow, and pass use_cache=False to Hugging Face models."
+        ) from e
+    sig = ep.graph_signature
+    params, buffers, constants, inputs = {}, {}, {}, []
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = spec.target
+        elif spec.kind == InputKind.BUFFER:
+            buffers[name] = spec.target
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            buffers[name] = spec.target
+            constants[name] = ep.constants[spec.target]
+        elif spec.kind == InputKind.USER_INPUT:
+            inputs.append(name)
+        else:
+            raise ValueError(f"unsupported exported input kind {spec.kind} for {name}")
+    gm = ep.graph_module
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _DROPPED and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec)

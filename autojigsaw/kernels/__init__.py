@@ -1,0 +1,1 @@
+"""Distributed kernels: collectives and the ops that communicate inside (autograd-aware)."""

@@ -1,0 +1,82 @@
+"""Exact traffic of a rewritten graph: bytes each collective sends, forward and backward.
+
+Read off the rewritten graph itself (after grad_kinds), so the prediction covers exactly
+the collectives that will run, with the padding the kernels add to uneven shards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from torch.fx import GraphModule, Node
+
+from ..cost_model.comm import bytes_sent
+from ..kernels import collectives as C
+from ..kernels import registry
+from ..placements import local_shape
+from .grad_kinds import needs_grad
+from .meta import GLOBAL, ORIGIN, PLACEMENTS
+
+
+def _local_numel(node: Node, rank) -> tuple[list[int], int]:
+    val = node.meta[GLOBAL]
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    shape = list(local_shape(val.shape, node.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord))
+    return shape, val.dtype.itemsize
+
+
+def _padded(shape: list[int], dim: int, size: int) -> int:
+    return math.prod(shape[:dim] + [size] + shape[dim + 1:])
+
+
+def collective_traffic(node: Node, rank, backward: bool) -> list[tuple[str, int]]:
+    """(collective, bytes sent) of one rewritten node, forward then backward."""
+    if node.op != "call_function":
+        return []
+    if node.target not in (C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all,
+                           C.shard_slice, C.grad_all_reduce):
+        return registry.kernel_traffic(node, rank, backward)
+    (src,) = node.all_input_nodes
+    shape, itemsize = _local_numel(src, rank)
+    kw = node.kwargs
+    out = []
+    if node.target is C.all_gather:
+        n, chunk = len(kw["sizes"]), max(kw["sizes"])
+        out.append(("all_gather", bytes_sent("all_gather", _padded(shape, kw["dim"], chunk) * itemsize, n)))
+        if backward and kw["grad"] == "P":
+            out.append(("reduce_scatter", out[0][1]))
+    elif node.target is C.reduce_scatter:
+        n, chunk = len(kw["sizes"]), max(kw["sizes"])
+        out.append(("reduce_scatter",
+                    bytes_sent("reduce_scatter", _padded(shape, kw["dim"], n * chunk) * itemsize, n)))
+        if backward:
+            out.append(("all_gather", out[0][1]))
+    elif node.target in (C.all_reduce, C.grad_all_reduce):
+        nbytes = bytes_sent("all_reduce", math.prod(shape) * itemsize, kw["n"])
+        if node.target is C.all_reduce:
+            out.append(("all_reduce", nbytes))
+        if backward and (node.target is C.grad_all_reduce or kw["grad"] == "P"):
+            out.append(("all_reduce", nbytes))
+    elif node.target is C.all_to_all:
+        n = len(kw["src_sizes"])
+        shape[kw["src_dim"]] = max(kw["src_sizes"])
+        numel = _padded(shape, kw["dst_dim"], n * max(kw["dst_sizes"]))
+        out.append(("all_to_all", bytes_sent("all_to_all", numel * itemsize, n)))
+        if backward:
+            out.append(out[0])
+    elif node.target is C.shard_slice and backward and kw["grad"] == "R":
+        n, chunk = len(kw["sizes"]), max(kw["sizes"])
+        out.append(("all_gather", bytes_sent("all_gather", _padded(shape, kw["dim"], chunk) * itemsize, n)))
+    return out
+
+
+def traffic_by_origin(gm: GraphModule, rank, sources: set[str], training: bool) -> dict[str, int]:
+    """Bytes each rank sends per step, summed per captured node the collectives serve."""
+    grad = needs_grad(gm, sources) if training else {}
+    total: dict[str, int] = defaultdict(int)
+    for node in gm.graph.nodes:
+        backward = any(grad.get(i, False) for i in node.all_input_nodes)
+        for _, nbytes in collective_traffic(node, rank, backward):
+            total[node.meta.get(ORIGIN, node.name)] += nbytes
+    return dict(total)

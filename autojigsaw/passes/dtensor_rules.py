@@ -1,0 +1,159 @@
+"""DTensor's own sharding rules, asked for every legal way to run one ATen node.
+
+DTensor registers a strategy function for most ATen ops (pointwise, views, reductions,
+matmuls, embedding, ...): given each input's candidate placements it enumerates
+(input placements -> output placements) that run correctly on local shards. Reusing them
+gives autojigsaw the op coverage DTensor users already rely on. The API is private, so
+this file is the only one that touches it (torch is pinned to one minor release).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._api import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+from torch.fx import Node
+from torch.utils import _pytree as pytree
+
+from ..mesh import MeshSpec
+from ..placements import Placements, normalize
+
+_PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
+
+
+def has_rule(op) -> bool:
+    return op in _PROPAGATOR.op_strategy_funcs or op in _PROPAGATOR.op_single_dim_strategy_funcs
+
+
+def _meta(val: torch.Tensor) -> TensorMeta:
+    return TensorMeta(val.shape, val.stride(), val.dtype)
+
+
+def dtensor_strategies(
+    node: Node, mesh: MeshSpec, candidates: dict[Node, Sequence[Placements]]
+) -> list[tuple[tuple[Placements, ...], tuple[Placements | None, ...]]] | None:
+    """(input placements, output placements) pairs DTensor allows for `node`, or None.
+
+    `candidates` maps each tensor input node to the placements it may arrive in. Inputs
+    are in the order of `tensor_inputs(node)`; outputs one per tensor output.
+    """
+    op = node.target
+    if not has_rule(op):
+        return None
+    dmesh = mesh.fake_device_mesh
+
+    single_dim = op in _PROPAGATOR.op_single_dim_strategy_funcs
+
+    def to_strategy(arg):
+        if isinstance(arg, Node) and arg in candidates:
+            val = arg.meta["val"]
+            meta = _meta(val)
+            # Single-dim rules enumerate every layout themselves; they only need to see
+            # which kind of shard the inputs use, from exactly one example placement.
+            layouts = [_example(val.ndim, mesh.ndim)] if single_dim else candidates[arg]
+            return OpStrategy([OpSpec(DTensorSpec(dmesh, p, meta)) for p in layouts])
+        if isinstance(arg, Node):
+            return arg.meta.get("val")
+        return arg
+
+    args, kwargs = pytree.tree_map(to_strategy, (node.args, node.kwargs))
+    schema = OpSchema(op, tuple(args), kwargs, schema_info=_PROPAGATOR.op_to_schema_info.get(op))
+    try:
+        if single_dim:
+            info = _PROPAGATOR.op_single_dim_strategy_funcs[op]
+            out_meta = _output_meta(node.meta["val"])
+            expand = _expand_single_dim_strategy_to_mesh(dmesh, schema, info, out_meta)
+            result = expand(op, schema.args_meta, schema.kwargs_meta)
+        else:
+            result = _PROPAGATOR.op_strategy_funcs[op](schema)
+    except Exception:  # noqa: BLE001 - a rule that rejects these inputs: no strategy
+        return None
+    if not isinstance(result, OpStrategy):
+        return None
+    n_inputs = len([a for a in pytree.tree_leaves((node.args, node.kwargs)) if a in candidates])
+    pairs = []
+    for spec in result.strategies:
+        outputs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        out_pl = tuple(_placements(o) for o in outputs)
+        ins = spec.input_specs if spec.input_specs is not None else [spec.output_spec] * n_inputs
+        in_pl = tuple(_placements(s) for s in ins[:n_inputs])
+        if len(in_pl) == n_inputs and None not in in_pl:
+            pairs.append((in_pl, out_pl))
+    return pairs
+
+
+def _example(tensor_ndim: int, mesh_ndim: int) -> Placements:
+    first = Shard(0) if tensor_ndim else Replicate()
+    return (first,) + (Replicate(),) * (mesh_ndim - 1)
+
+
+def _output_meta(val):
+    if isinstance(val, torch.Tensor):
+        return _meta(val)
+    return tuple(_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+
+
+def _placements(spec) -> Placements | None:
+    if spec is None:
+        return None
+    ndim = len(spec.tensor_meta.shape) if spec.tensor_meta is not None else None
+    pl = tuple(spec.placements)
+    return normalize(pl, ndim) if ndim else pl
+
+
+def local_call(node: Node, mesh: MeshSpec, coord: tuple[int, ...], inputs: tuple[Placements, ...],
+               tensor_args: list) -> tuple[object, tuple, dict]:
+    """The (op, args, kwargs) that compute this rank's shard, as DTensor's dispatch would.
+
+    Shape arguments of views and factories become local shapes; squeezes keep only
+    globally singleton dims. `tensor_args` replace the node's tensor inputs, in order.
+    """
+    op = node.target
+    args, kwargs = node.args, node.kwargs
+    if (op in _PROPAGATOR.op_to_shape_and_stride_idx or op in _PROPAGATOR.squeeze_op_to_dims_variant
+            or op in _PROPAGATOR.op_to_scalar_shape_adjuster):
+        dmesh = _mesh_at(mesh, coord)
+        it = iter(inputs)
+
+        def to_spec(arg):
+            if isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor):
+                return DTensorSpec(dmesh, next(it), _meta(arg.meta["val"]))
+            return arg
+
+        s_args, s_kwargs = pytree.tree_map(to_spec, (args, kwargs))
+        schema = OpSchema(op, tuple(s_args), s_kwargs, schema_info=_PROPAGATOR.op_to_schema_info.get(op))
+        sharding = _PROPAGATOR.propagate_op_sharding_non_cached(schema)
+        if sharding.use_val_from_redistribute_schema and sharding.redistribute_schema is not None:
+            local = sharding.redistribute_schema
+            op, args, kwargs = local.op, local.args_schema, local.kwargs_schema
+    tensors = iter(tensor_args)
+
+    def to_local(arg):
+        is_tensor = isinstance(arg, DTensorSpec) or (
+            isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor))
+        return next(tensors) if is_tensor else arg
+
+    args, kwargs = pytree.tree_map(to_local, (tuple(args), dict(kwargs)),
+                                   is_leaf=lambda x: isinstance(x, DTensorSpec))
+    return op, args, kwargs
+
+
+_MESHES: dict = {}
+
+
+def _mesh_at(mesh: MeshSpec, coord: tuple[int, ...]):
+    """A fake DeviceMesh seen from the rank at `coord` (DTensor computes local shapes from it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (mesh, coord)
+    if key not in _MESHES:
+        ranks = torch.arange(mesh.world_size).reshape(mesh.sizes)
+        rank = int(ranks[coord])
+        _MESHES[key] = DeviceMesh("cpu", ranks, mesh_dim_names=mesh.axis_names,
+                                  _init_backend=False, _rank=rank)
+    return _MESHES[key]

@@ -1,0 +1,121 @@
+"""Gradient kinds: for every replicated value, is its gradient full or partial on each axis?
+
+A Replicate value's gradient is either full on every rank ("R") or a contribution that
+sums to it over the axis ("P") -- see kernels/collectives.py. A reader whose output is
+sharded or partial on the axis hands back "P"; one whose output stays replicated passes
+on its own output's kind; the model output seeds "R". A value takes "P" as soon as one
+reader returns "P": the sum is then formed once, where the value was made -- a gather
+becomes gather/reduce-scatter, a parameter gets one all-reduce (as DDP does) -- and
+readers that return "R" are masked to rank 0. Only this pass inserts gradient collectives.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch.distributed.tensor import Replicate
+from torch.fx import Graph, GraphModule, Node
+
+from ..kernels import collectives as C
+from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
+
+
+# Collectives that read a Replicate value on their own axis: either gradient kind is fine.
+_EITHER = {C.shard_slice, C.to_partial}
+# Collectives that make a Replicate value on their axis: their backward follows its kind.
+_MAKERS = {C.all_gather, C.all_reduce}
+COLLECTIVES = {C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.shard_slice,
+               C.to_partial, C.grad_all_reduce, C.grad_mask}
+
+
+def set_grad_kinds(gm: GraphModule, rank, sources: set[str]) -> None:
+    """Set `grad=` on every collective, insert gradient masks and all-reduces (in place).
+
+    `sources`: names of the placeholders whose gradient is wanted (parameters, inputs).
+    """
+    graph = gm.graph
+    grad = needs_grad(gm, sources)
+    kinds: dict[tuple[Node, int, int], str] = {}
+    for node in reversed(list(graph.nodes)):
+        if not grad.get(node) or node.op == "output":
+            continue
+        multi = len(node.meta[PLACEMENTS]) > 1
+        for idx, pl in enumerate(node.meta[PLACEMENTS]):
+            axes = [a for a, p in enumerate(pl or ()) if isinstance(p, Replicate) and rank.mesh.sizes[a] > 1]
+            said = {a: {u: _contribution(u, a, kinds) for u in _readers(node, idx)} for a in axes}
+            for a in axes:
+                kinds[(node, idx, a)] = "P" if "P" in said[a].values() else "R"
+            if not multi:  # a tuple's readers are getitems, which settle themselves
+                _agree(graph, node, {a: (kinds[(node, idx, a)], said[a]) for a in axes}, rank)
+
+
+def _readers(node: Node, idx: int) -> list[Node]:
+    return [u for u in node.users
+            if not (u.op == "call_function" and u.target is operator.getitem) or u.args[1] == idx]
+
+
+def _agree(graph: Graph, node: Node, decided: dict, rank) -> None:
+    """Make the producer and every reader of `node` follow the decided kind on each axis."""
+    masks: dict[Node, list[int]] = {}
+    for a, (kind, said) in decided.items():
+        for u, c in said.items():
+            if c == "either":
+                u.update_kwarg("grad", kind)
+            elif c == "R" and kind == "P":
+                masks.setdefault(u, []).append(a)
+        if node.op == "call_function" and node.target in _MAKERS and node.meta.get(AXIS) == a:
+            node.update_kwarg("grad", kind)
+    shared: dict[tuple[int, ...], Node] = {}
+    for u, axes in masks.items():
+        key = tuple(axes)
+        if key not in shared:
+            shared[key] = _chain(graph, node, [(C.grad_mask, a, {"coord": rank.coord[a]}) for a in axes])
+        u.replace_input_with(node, shared[key])
+    if node.op == "placeholder":
+        reduce = [(C.grad_all_reduce, a, {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a],
+                                          "group": rank.groups[a]})
+                  for a, (kind, _) in decided.items() if kind == "P"]
+        if reduce:
+            users = [u for u in node.users]
+            last = _chain(graph, node, reduce)
+            for u in users:
+                u.replace_input_with(node, last)
+
+
+def _chain(graph: Graph, node: Node, calls) -> Node:
+    """node -> call -> call ...: identity-forward gradient ops, one per (fn, axis, kwargs)."""
+    value = node
+    for fn, a, kwargs in calls:
+        with graph.inserting_after(value):
+            new = graph.call_function(fn, (value,), kwargs)
+        new.meta.update({k: v for k, v in node.meta.items() if k in (PLACEMENTS, GLOBAL, ORIGIN)})
+        new.meta[AXIS] = a
+        value = new
+    return value
+
+
+def _contribution(reader: Node, a: int, kinds) -> str:
+    """What `reader` hands back for a Replicate input on axis a: "R", "P" or "either"."""
+    if reader.op == "output":
+        return "R"
+    if reader.target in _EITHER and reader.meta.get(AXIS) == a:
+        return "either"
+    outs = reader.meta.get(PLACEMENTS, ())
+    if any(pl is not None and not isinstance(pl[a], Replicate) for pl in outs):
+        return "P"
+    own = [kinds.get((reader, i, a), "R") for i in range(len(outs))]
+    return "P" if "P" in own else "R"
+
+
+def needs_grad(gm: GraphModule, sources: set[str]) -> dict[Node, bool]:
+    """Nodes whose outputs receive a gradient: floating point and downstream of a source."""
+    out: dict[Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            out[node] = node.name in sources
+            continue
+        vals = node.meta.get(GLOBAL)
+        vals = vals if isinstance(vals, (tuple, list)) else [vals]
+        floating = any(getattr(v, "is_floating_point", lambda: False)() for v in vals)
+        out[node] = floating and any(out.get(i, False) for i in node.all_input_nodes)
+    return out

@@ -1,0 +1,164 @@
+"""Rewrite: Plan + graph -> the graph one rank runs, on local shards with explicit collectives.
+
+Every node of the captured graph becomes: the collectives that move its inputs to the
+placements its strategy needs (passes/redistribute.py), then its op on local shards
+(DTensor's local-argument rules make view and factory shapes local) or an autojigsaw
+kernel. Gradient collectives are then set by passes/grad_kinds.py. The result is plain
+FX: `gm.code` reads as the program each rank runs.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from ..capture import Captured
+from ..kernels import collectives, registry
+from ..mesh import MeshSpec
+from ..placements import Placements, local_shape
+from ..plan import Plan
+from .dtensor_rules import local_call
+from .grad_kinds import set_grad_kinds
+from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
+from .redistribute import redistribute_steps, step_sizes
+from .strategies import output_values, tensor_inputs
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank's place in the mesh: its coordinate and the process group of each axis."""
+
+    mesh: MeshSpec
+    coord: tuple[int, ...]
+    groups: tuple[str | None, ...]  # None: planning only, the graph is never run
+
+    @classmethod
+    def planning(cls, mesh: MeshSpec) -> RankView:
+        return cls(mesh, (0,) * mesh.ndim, (None,) * mesh.ndim)
+
+
+def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = True,
+            inputs_with_grad: frozenset[str] = frozenset()) -> GraphModule:
+    """The local-shard graph of `rank` for `plan` (gradient collectives set when training)."""
+    by_name = {n.name: n for n in plan.nodes}
+    _check_matches(captured, by_name)
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    moved: dict[tuple, Node] = {}  # (producer, output index, placements) -> moved value
+    for node in captured.gm.graph.nodes:
+        spec = by_name.get(node.name)
+        if node.op == "placeholder":
+            new = graph.placeholder(node.name)
+            _annotate(new, node, spec.outputs, node.name)
+        elif node.op == "output":
+            values = [_moved(env, moved, graph, src, i, pl, rank, node.name)
+                      for (src, i), pl in zip(tensor_inputs(node), spec.inputs)]
+            outputs = iter(values)
+            flat = [next(outputs) if isinstance(a, Node) and src_is_tensor(a)
+                    else env.get(a, a) if isinstance(a, Node) else a for a in node.args[0]]
+            new = graph.output(tuple(flat))
+            new.meta[ORIGIN] = node.name
+        else:
+            new = _emit(graph, env, moved, node, spec, rank)
+        env[node] = new
+    gm = GraphModule(captured.gm, graph)
+    if training:
+        set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad))
+    gm.recompile()
+    return gm
+
+
+def src_is_tensor(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _check_matches(captured: Captured, by_name) -> None:
+    for node in captured.gm.graph.nodes:
+        spec = by_name.get(node.name)
+        if spec is None:
+            raise ValueError(
+                f"the plan has no entry for node {node.name!r}: it was made for another model "
+                "or other input shapes; plan again with this model and these inputs"
+            )
+        outs = output_values(node)
+        if outs and outs[0] is not None and tuple(outs[0].shape) != tuple(spec.shape):
+            raise ValueError(
+                f"node {node.name!r} has shape {tuple(outs[0].shape)} but the plan expects "
+                f"{tuple(spec.shape)}: plan again for these input shapes"
+            )
+
+
+def _annotate(new: Node, old: Node, placements, origin: str) -> None:
+    new.meta[PLACEMENTS] = tuple(placements)
+    new.meta[ORIGIN] = origin
+    new.meta[GLOBAL] = old.meta.get("val")
+
+
+def _emit(graph: Graph, env, moved, node: Node, spec, rank: RankView) -> Node:
+    """The moves of the node's inputs and the local op or kernel itself."""
+    inputs = tensor_inputs(node)
+    if node.target is operator.getitem:
+        new = graph.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
+        _annotate(new, node, spec.outputs, node.name)
+        return new
+    local_inputs = [_moved(env, moved, graph, src, i, pl, rank, node.name)
+                    for (src, i), pl in zip(inputs, spec.inputs)]
+    if spec.kernel == "local":
+        op, args, kwargs = local_call(node, rank.mesh, rank.coord, spec.inputs, local_inputs)
+    else:
+        op, args, kwargs = registry.kernel_call(spec.kernel, node, spec, rank, local_inputs)
+    new = graph.call_function(op, args, kwargs)
+    _annotate(new, node, spec.outputs, node.name)
+    return new
+
+
+def _moved(env, moved, graph: Graph, src: Node, index: int, target: Placements,
+           rank: RankView, consumer: str) -> Node:
+    """`src`'s output `index` in placements `target`, moved once and shared by its readers."""
+    value = env[src]
+    if index and src.target is not operator.getitem:
+        raise AssertionError(f"multi-output node {src.name} read without getitem")
+    current = value.meta[PLACEMENTS][index]
+    key = (src, index, target)
+    if current == target:
+        return value
+    if key in moved:
+        return moved[key]
+    shape = output_values(src)[index].shape
+    for step in redistribute_steps(current, target):
+        a = step.axis
+        n = rank.mesh.sizes[a]
+        if n == 1:
+            continue
+        args = step_sizes(step, shape, rank.mesh.sizes, rank.coord)
+        fn = getattr(collectives, step.kind)
+        kwargs = {**args, **_axis_args(step.kind, rank, a, n)}
+        value = graph.call_function(fn, (value,), kwargs)
+        value.meta[PLACEMENTS] = (step.after,)
+        value.meta[AXIS] = a
+        value.meta[ORIGIN] = consumer
+        value.meta[GLOBAL] = output_values(src)[index]
+    moved[key] = value
+    return value
+
+
+def _axis_args(kind: str, rank: RankView, a: int, n: int) -> dict:
+    name, group, coord = rank.mesh.axis_names[a], rank.groups[a], rank.coord[a]
+    if kind == "to_partial":
+        return {"coord": coord, "n": n, "grad": "R"}
+    if kind == "all_reduce":
+        return {"n": n, "axis": name, "group": group, "grad": "R"}
+    if kind == "reduce_scatter" or kind == "all_to_all":
+        return {"coord": coord, "axis": name, "group": group}
+    return {"coord": coord, "axis": name, "group": group, "grad": "R"}  # all_gather, shard_slice
+
+
+def local_shapes(node: Node, mesh: MeshSpec, coord: tuple[int, ...]) -> list[tuple[int, ...] | None]:
+    """Local shapes of a rewritten node's outputs on the rank at `coord`."""
+    vals = node.meta.get(GLOBAL)
+    vals = vals if isinstance(vals, (tuple, list)) else [vals]
+    return [local_shape(v.shape, p, mesh.sizes, coord) if isinstance(v, torch.Tensor) and p else None
+            for v, p in zip(vals, node.meta[PLACEMENTS])]

@@ -1,0 +1,66 @@
+"""autojigsaw's own sharding rules, for the ops whose best layouts DTensor's rules miss.
+
+A rule takes (node, mesh, candidates) -- candidates[i] lists the placements input i may
+arrive in -- and returns the node's strategies. Most rules are written for one mesh axis
+(`AxisOption`) and combined over the axes by `per_axis`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch.fx import Node
+
+from ...mesh import MeshSpec
+from ...placements import Placement, Placements
+
+_RULES: dict[object, Callable] = {}
+
+
+def register(*ops):
+    """Decorator: use this function as the rule for `ops`."""
+
+    def wrap(fn):
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+
+    return wrap
+
+
+def strategies_for(node: Node, mesh: MeshSpec, candidates: Sequence[Sequence[Placements]]):
+    """The node's strategies by autojigsaw's rule, or None when it has no rule for the op."""
+    rule = _RULES.get(node.target)
+    return None if rule is None else rule(node, mesh, candidates)
+
+
+@dataclass(frozen=True)
+class AxisOption:
+    """One way to run a node on a single mesh axis."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+    kernel: str = "local"
+    note: str = ""
+
+
+def per_axis(mesh: MeshSpec, options: Callable[[int], list[AxisOption]]):
+    """Strategies from every combination of per-axis options; `options(n)` for an axis of n ranks."""
+    from ..strategies import Strategy
+
+    per = [options(n) for n in mesh.sizes]
+    out = []
+    for combo in itertools.product(*per):
+        kernels = {o.kernel for o in combo} - {"local"}
+        if len(kernels) > 1:
+            continue
+        inputs = tuple(tuple(o.inputs[i] for o in combo) for i in range(len(combo[0].inputs)))
+        outputs = tuple(tuple(o.outputs[i] for o in combo) for i in range(len(combo[0].outputs)))
+        notes = "; ".join(dict.fromkeys(o.note for o in combo if o.note))
+        out.append(Strategy(inputs, outputs, kernel=kernels.pop() if kernels else "local", note=notes))
+    return out
+
+
+from . import elementwise, matmul, norm  # noqa: E402,F401  (register the rules)

@@ -1,0 +1,142 @@
+"""Strategies: for every node, the legal ways to run it on local shards.
+
+A Strategy fixes the placement of each tensor input and output on every mesh axis, and
+the kernel that computes the output shards ("local" = the same ATen op on local shards;
+others are autojigsaw kernels that communicate inside). Rules come from autojigsaw's own
+rules (passes/rules: matmuls, norms, softmax, attention, ...) first, then DTensor's, and a
+node no rule covers runs replicated, marked as a fallback: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
+
+from ..mesh import MeshSpec
+from ..placements import Placements, replicated
+from . import rules
+from .dtensor_rules import dtensor_strategies
+from .meta import STRATEGIES
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: placements of its tensor inputs and outputs, and the kernel."""
+
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements | None, ...]
+    kernel: str = "local"
+    fallback: bool = False
+    note: str = ""
+
+    @property
+    def output(self) -> Placements:
+        return self.outputs[0]
+
+
+def tensor_inputs(node: Node) -> list[tuple[Node, int]]:
+    """The tensor values a node reads, as (producer, output index), in flattened arg order."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return [(node.args[0], node.args[1])]
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [(a, 0) for a in leaves if isinstance(a, Node) and _is_tensor_value(a)]
+
+
+def _is_tensor_value(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) or (
+        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
+
+
+def output_values(node: Node) -> list[torch.Tensor | None]:
+    """The node's outputs (one entry per tuple element), non-tensors as None."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return [val if isinstance(val, torch.Tensor) else None]
+
+
+def layout_candidates(shape: Sequence[int], mesh: MeshSpec) -> list[Placements]:
+    """Every placement of a free tensor (parameter or input): each axis Replicate or Shard(d)."""
+    per_axis = [
+        [Replicate()] + [Shard(d) for d, size in enumerate(shape) if size >= n > 1]
+        for n in mesh.sizes
+    ]
+    return [tuple(c) for c in itertools.product(*per_axis)]
+
+
+def _candidates(node: Node, index: int) -> list[Placements]:
+    seen: dict[Placements, None] = {}
+    for s in node.meta[STRATEGIES]:
+        if s.outputs[index] is not None:
+            seen.setdefault(s.outputs[index])
+    return list(seen)
+
+
+def node_strategies(node: Node, mesh: MeshSpec, fixed: dict[str, Placements] | None = None,
+                    outputs: Sequence[Placements] | None = None) -> list[Strategy]:
+    """All strategies for one node, given that its producers were annotated before it.
+
+    `fixed` pins placeholders to one placement; `outputs` are the placements the graph's
+    outputs must be returned in (default: replicated, the whole tensor on every rank).
+    """
+    if node.op == "placeholder":
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return [Strategy((), (None,))]
+        if fixed and node.name in fixed:
+            return [Strategy((), (fixed[node.name],))]
+        return [Strategy((), (p,)) for p in layout_candidates(val.shape, mesh)]
+    if node.op == "output":
+        n_out = len(tensor_inputs(node))
+        wanted = tuple(outputs) if outputs is not None else (replicated(mesh.ndim),) * n_out
+        return [Strategy(wanted, ())]
+    inputs = tensor_inputs(node)
+    if node.target is operator.getitem:
+        src, i = inputs[0]
+        return [Strategy((p,), (p,)) for p in _candidates(src, i)]
+    n_out = len(output_values(node))
+    if not inputs:  # a factory (arange, zeros, ...): made whole on every rank
+        return [Strategy((), (replicated(mesh.ndim),) * n_out, note="factory")]
+    candidates = [_candidates(src, i) for src, i in inputs]
+    found = rules.strategies_for(node, mesh, candidates)
+    if found is None:
+        pairs = dtensor_strategies(node, mesh, {src: c for (src, _), c in zip(inputs, candidates)})
+        found = [Strategy(i, o) for i, o in pairs or []
+                 if _standard(i) and _standard(o) and _partials_offered(i, candidates)]
+    found = list(dict.fromkeys(found))
+    if not found:
+        name = getattr(node.target, "__name__", str(node.target))
+        return [Strategy((replicated(mesh.ndim),) * len(inputs), (replicated(mesh.ndim),) * n_out,
+                         fallback=True, note=f"no sharding rule for {name}")]
+    return found
+
+
+def _standard(placements_list) -> bool:
+    """Plain Shard / Replicate / Partial only (DTensor's private variants need its runtime)."""
+    return all(
+        pl is None or all(type(p) in (Shard, Replicate, Partial) for p in pl)
+        for pl in placements_list
+    )
+
+
+def _partials_offered(inputs: tuple[Placements, ...], candidates) -> bool:
+    """Does every Partial input come from a producer that makes it? (No value turns Partial.)"""
+    return all(
+        not isinstance(p, Partial) or any(c[a] == p for c in cands)
+        for pl, cands in zip(inputs, candidates) for a, p in enumerate(pl)
+    )
+
+
+def annotate(gm: GraphModule, mesh: MeshSpec, fixed: dict[str, Placements] | None = None,
+             outputs: Sequence[Placements] | None = None) -> None:
+    """Write node.meta[STRATEGIES] for every node, in topological order."""
+    for node in gm.graph.nodes:
+        node.meta[STRATEGIES] = node_strategies(node, mesh, fixed, outputs)

@@ -1,0 +1,161 @@
+"""Plan: the sharding chosen for every node, as plain data that prints, saves and loads.
+
+Deciding is separate from doing: the planner returns a Plan, the rewrite applies one.
+A user can print a Plan, edit it, save it to JSON and apply it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from tabulate import tabulate
+
+from .mesh import MeshSpec
+from .placements import Placements, format_placements, parse_placements
+
+SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
+
+
+@dataclass(frozen=True)
+class NodeSharding:
+    """How one graph node runs: its input/output placements, kernel and predicted costs."""
+
+    name: str
+    op: str
+    kind: str  # matmul | attention | softmax | norm | embedding | param | input | other
+    shape: tuple[int, ...]
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements | None, ...]
+    kernel: str = "local"
+    fallback: bool = False
+    note: str = ""
+    comm_bytes: int = 0  # sent per rank per step, resharding into this node included
+    compute_s: float = 0.0
+    memory_bytes: int = 0
+
+    @property
+    def output(self) -> Placements | None:
+        return self.outputs[0] if self.outputs else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A sharding for every node of one model on one mesh, with its predicted costs."""
+
+    mesh: MeshSpec
+    device: str
+    training: bool
+    nodes: tuple[NodeSharding, ...]
+    param_placements: dict[str, Placements] = field(hash=False)
+    input_placements: tuple[Placements | None, ...]
+    output_placements: tuple[Placements | None, ...]
+    memory_per_rank: int  # predicted peak bytes per rank for one step
+    comm_bytes: int  # predicted bytes each rank sends in one step
+    step_time: float  # predicted seconds per step
+    memory_budget: int | None = None
+
+    def node(self, name: str) -> NodeSharding:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"the plan has no node {name!r}")
+
+    @property
+    def fallbacks(self) -> list[NodeSharding]:
+        return [n for n in self.nodes if n.fallback]
+
+    def fingerprint(self) -> str:
+        """A short hash of the decisions (not the predictions): equal on ranks that agree."""
+        decisions = [(n.name, [format_placements(p) for p in n.inputs],
+                      [format_placements(p) if p else None for p in n.outputs], n.kernel)
+                     for n in self.nodes]
+        return hashlib.sha256(json.dumps(decisions).encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------ printing
+
+    def table(self) -> str:
+        """One row per matmul / attention / softmax / norm / fallback node, and a summary."""
+        rows = [
+            (n.name, n.op, "x".join(map(str, n.shape)),
+             " ".join(format_placements(p) for p in n.inputs),
+             format_placements(n.output) if n.output else "",
+             n.kernel + (" (fallback)" if n.fallback else ""),
+             _bytes(n.comm_bytes), _seconds(n.compute_s), _bytes(n.memory_bytes), n.note)
+            for n in self.nodes if n.kind in SHOWN_KINDS or n.fallback
+        ]
+        headers = ["node", "op", "shape", "inputs", "output", "kernel", "comm/rank",
+                   "compute", "memory", "note"]
+        budget = f" of {_bytes(self.memory_budget)} budget" if self.memory_budget else ""
+        summary = (
+            f"mesh {self.mesh.describe()} on {self.device}, "
+            f"{'training' if self.training else 'inference'}: "
+            f"predicted step {_seconds(self.step_time)}, comm {_bytes(self.comm_bytes)}/rank, "
+            f"peak memory {_bytes(self.memory_per_rank)}/rank{budget}; "
+            f"{len(self.fallbacks)} fallback node(s)"
+        )
+        return tabulate(rows, headers=headers, tablefmt="simple") + "\n" + summary
+
+    def __str__(self) -> str:
+        return self.table()
+
+    # ------------------------------------------------------------ JSON
+
+    def to_json(self) -> str:
+        def pl(p):
+            return None if p is None else format_placements(p)
+
+        data = {
+            "mesh": {"axis_names": list(self.mesh.axis_names), "sizes": list(self.mesh.sizes)},
+            "device": self.device, "training": self.training,
+            "param_placements": {k: pl(v) for k, v in self.param_placements.items()},
+            "input_placements": [pl(p) for p in self.input_placements],
+            "output_placements": [pl(p) for p in self.output_placements],
+            "memory_per_rank": self.memory_per_rank, "comm_bytes": self.comm_bytes,
+            "step_time": self.step_time, "memory_budget": self.memory_budget,
+            "nodes": [{**asdict(n), "inputs": [pl(p) for p in n.inputs],
+                       "outputs": [pl(p) for p in n.outputs]} for n in self.nodes],
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        d = json.loads(text)
+
+        def pl(s):
+            return None if s is None else parse_placements(s)
+
+        nodes = tuple(
+            NodeSharding(**{**n, "shape": tuple(n["shape"]),
+                            "inputs": tuple(pl(p) for p in n["inputs"]),
+                            "outputs": tuple(pl(p) for p in n["outputs"])})
+            for n in d["nodes"]
+        )
+        return cls(
+            mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["sizes"])),
+            device=d["device"], training=d["training"], nodes=nodes,
+            param_placements={k: pl(v) for k, v in d["param_placements"].items()},
+            input_placements=tuple(pl(p) for p in d["input_placements"]),
+            output_placements=tuple(pl(p) for p in d["output_placements"]),
+            memory_per_rank=d["memory_per_rank"], comm_bytes=d["comm_bytes"],
+            step_time=d["step_time"], memory_budget=d["memory_budget"],
+        )
+
+
+def _bytes(n: float | None) -> str:
+    if not n:
+        return "0"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"

@@ -1,0 +1,1 @@
+"""The module users get back: DTensor parameters outside, the rewritten local graph inside."""

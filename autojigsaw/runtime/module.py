@@ -1,0 +1,163 @@
+"""ParallelModule: what `autojigsaw.parallelize` returns.
+
+Its parameters are DTensors under the model's own names, so optimizers, clip_grad_norm_,
+torch.distributed.checkpoint and `.full_tensor()` work unchanged. Its forward feeds the
+local shards to the rewritten graph (compiled by default). By default it takes the whole
+inputs, the same on every rank, and returns whole outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..api import plan_captured
+from ..capture import capture
+from ..kernels.collectives import shard_slice
+from ..mesh import MeshSpec
+from ..passes.rewrite import RankView, rewrite
+from ..placements import local_shape
+from ..plan import Plan
+from .materialize import local_view, shard_parameters
+
+
+class ParallelModule(nn.Module):
+    """A model sharded over a DeviceMesh by a Plan; call it like the original model."""
+
+    def __init__(self, model: nn.Module, mesh, example_inputs=None, example_kwargs=None, *,
+                 compile: bool = True, training: bool = True, memory_budget: int | None = None,
+                 device: str | None = None, input_placements=None, output_placements=None,
+                 plan: Plan | None = None):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        object.__setattr__(self, "_model", model)
+        self.device_mesh = mesh
+        self.mesh = MeshSpec.of(mesh)
+        self._options = dict(compile=compile, training=training, memory_budget=memory_budget,
+                             device=device or _device_of(mesh), input_placements=input_placements,
+                             output_placements=output_placements)
+        self.plan = plan
+        self._program = None
+        if example_inputs is not None:
+            self._build(tuple(example_inputs), dict(example_kwargs or {}))
+
+    # ------------------------------------------------------------ building
+
+    def _build(self, args: tuple, kwargs: dict) -> None:
+        _check_group(self.device_mesh, self.mesh)
+        opts = self._options
+        captured = capture(self._model, args, kwargs)
+        if self.plan is None:
+            self.plan = plan_captured(captured, self.mesh, device=opts["device"], training=opts["training"],
+                                      memory_budget=opts["memory_budget"],
+                                      input_placements=opts["input_placements"],
+                                      output_placements=opts["output_placements"])
+        elif self.plan.mesh != self.mesh:
+            raise ValueError(f"the plan was made for mesh {self.plan.mesh.describe()} but the module "
+                             f"runs on {self.mesh.describe()}: plan again for this mesh")
+        _check_agreement(self.plan)
+        coord = tuple(self.device_mesh.get_coordinate())
+        groups = tuple(self.device_mesh.get_group(a).group_name for a in self.mesh.axis_names)
+        self._rank = RankView(self.mesh, coord, groups)
+        shard_parameters(self._model, self.plan.param_placements, self.device_mesh, coord)
+        gm = rewrite(captured, self.plan, self._rank, training=opts["training"])
+        self._captured = captured
+        self._graph = gm
+        self._program = torch.compile(gm, fullgraph=True) if opts["compile"] else gm
+
+    # ------------------------------------------------------------ running
+
+    def forward(self, *args, **kwargs):
+        if self._program is None:
+            self._build(args, kwargs)
+        captured, plan, rank = self._captured, self.plan, self._rank
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != captured.in_spec:
+            raise ValueError(f"the module was planned for inputs structured as {captured.in_spec}, "
+                             f"got {spec}; call it as in the example inputs")
+        inputs = iter(self._local_inputs(flat))
+        feeds = []
+        for node in captured.gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            if node.name in captured.params:
+                feeds.append(self._model.get_parameter(captured.params[node.name]).to_local())
+            elif node.name in captured.constants:
+                feeds.append(captured.constants[node.name])
+            elif node.name in captured.buffers:
+                buf = self._model.get_buffer(captured.buffers[node.name])
+                feeds.append(local_view(buf, plan.node(node.name).output, self.mesh.sizes, rank.coord))
+            else:
+                feeds.append(next(inputs))
+        outs = self._program(*feeds)
+        return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+    def _local_inputs(self, flat: list) -> list:
+        """The user's inputs as the graph wants them: this rank's shards."""
+        given_local = self._options["input_placements"] is not None
+        out = []
+        for x, name, pl, shape in zip(flat, self._captured.inputs, self.plan.input_placements,
+                                      self._captured.input_shapes):
+            if not isinstance(x, torch.Tensor) or pl is None:
+                out.append(x)
+                continue
+            want = local_shape(shape, pl, self.mesh.sizes, self._rank.coord) if given_local else shape
+            if tuple(x.shape) != tuple(want):
+                what = "this rank's shard" if given_local else "the whole input"
+                raise ValueError(f"input {name!r} has shape {tuple(x.shape)} but the plan expects "
+                                 f"{what} of shape {tuple(want)}: pass inputs shaped like the example "
+                                 "inputs, or parallelize again for the new shape")
+            out.append(x if given_local else _slice(x, pl, self._rank))
+        return out
+
+
+def _slice(x: torch.Tensor, placements, rank: RankView) -> torch.Tensor:
+    """This rank's shard of a whole input, with a gradient path back to it."""
+    if not x.requires_grad:
+        return local_view(x, placements, rank.mesh.sizes, rank.coord)
+    from torch.distributed.tensor import Shard
+
+    from ..placements import chunk_sizes
+
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard) and rank.mesh.sizes[a] > 1:
+            sizes = chunk_sizes(x.shape[p.dim], rank.mesh.sizes[a])
+            x = shard_slice(x, dim=p.dim, sizes=sizes, coord=rank.coord[a],
+                            axis=rank.mesh.axis_names[a], group=rank.groups[a], grad="R")
+    return x
+
+
+def _device_of(mesh) -> str:
+    kind = getattr(mesh, "device_type", "cpu")
+    if kind == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        return next((d for d in ("h200", "h100", "a100") if d in name), "h100")
+    return "cpu"
+
+
+def _check_group(device_mesh, mesh: MeshSpec) -> None:
+    if not dist.is_initialized():
+        raise ValueError("parallelize needs a process group: call torch.distributed.init_process_group "
+                         "(or run under torchrun) and pass a DeviceMesh; autojigsaw.plan needs none")
+    if not hasattr(device_mesh, "get_group"):
+        raise ValueError("parallelize needs a torch DeviceMesh (init_device_mesh(..., mesh_dim_names=...)); "
+                         "a mapping of axis sizes only works with autojigsaw.plan")
+    if mesh.world_size != dist.get_world_size():
+        raise ValueError(f"the mesh {mesh.describe()} has {mesh.world_size} ranks but the process group "
+                         f"has {dist.get_world_size()}: make the mesh cover every rank")
+
+
+def _check_agreement(plan: Plan) -> None:
+    """Every rank must run the same plan, or collectives would not match up."""
+    prints = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, plan.fingerprint())
+    if len(set(prints)) != 1:
+        raise ValueError(f"ranks planned differently (plan fingerprints {sorted(set(prints))}): give every "
+                         "rank the same model, inputs and options, or plan once and pass plan=")
