@@ -32,10 +32,14 @@ class Captured:
     out_spec: pytree.TreeSpec
 
     @property
-    def input_shapes(self) -> list[tuple[int, ...] | None]:
+    def input_values(self) -> list:
+        """The fake values of the user inputs (tensors carry shape and dtype)."""
         nodes = {n.name: n for n in self.gm.graph.nodes}
-        return [tuple(v.shape) if isinstance(v := nodes[name].meta.get("val"), torch.Tensor)
-                else None for name in self.inputs]
+        return [nodes[name].meta.get("val") for name in self.inputs]
+
+    @property
+    def input_shapes(self) -> list[tuple[int, ...] | None]:
+        return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in self.input_values]
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
@@ -66,9 +70,24 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         else:
             raise ValueError(f"unsupported exported input kind {spec.kind} for {name}")
     gm = ep.graph_module
+    _merge_tied(gm, params, model)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _DROPPED and not node.users:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     return Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec)
+
+
+def _merge_tied(gm: GraphModule, params: dict[str, str], model: torch.nn.Module) -> None:
+    """One placeholder per parameter: tied weights (GPT-2's lm_head) share one placement."""
+    first: dict[int, str] = {}
+    names = {n.name: n for n in gm.graph.nodes}
+    for ph, fqn in list(params.items()):
+        key = id(model.get_parameter(fqn))
+        if key not in first:
+            first[key] = ph
+            continue
+        names[ph].replace_all_uses_with(names[first[key]])
+        gm.graph.erase_node(names[ph])
+        del params[ph]

@@ -97,7 +97,7 @@ def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
     y = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, _wire_op(op), n, group))
     if op == "avg":
         y = y / n
-    return y.movedim(0, dim).narrow(dim, 0, sizes[coord])
+    return y.movedim(0, dim).narrow(dim, 0, sizes[coord]).contiguous()
 
 
 def _raw_all_reduce(x, op, n, axis, group):
@@ -207,7 +207,8 @@ class _ShardSlice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, sizes, coord, axis, group, grad):
         ctx.args = (dim, sizes, coord, axis, group, grad, x.shape[dim])
-        return x.narrow(dim, _offset(sizes, coord), sizes[coord])
+        # A copy, not a view: local ops such as view() expect the layout of a fresh shard.
+        return x.narrow(dim, _offset(sizes, coord), sizes[coord]).contiguous()
 
     @staticmethod
     def backward(ctx, g):

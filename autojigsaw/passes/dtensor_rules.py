@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._api import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 from torch.fx import Node
 from torch.utils import _pytree as pytree
@@ -42,11 +42,25 @@ def dtensor_strategies(
     `candidates` maps each tensor input node to the placements it may arrive in. Inputs
     are in the order of `tensor_inputs(node)`; outputs one per tensor output.
     """
-    op = node.target
-    if not has_rule(op):
+    if not has_rule(node.target):
         return None
-    dmesh = mesh.fake_device_mesh
+    pairs = _ask(node, mesh, candidates)
+    if pairs is not None:
+        return pairs
+    # Some rules trip over one unusual candidate (e.g. a view of a Partial): ask per candidate.
+    multi = next((src for src, c in candidates.items() if len(c) > 1), None)
+    if multi is None:
+        return None
+    found = []
+    for c in candidates[multi]:
+        found += _ask(node, mesh, {**candidates, multi: [c]}) or []
+    return found or None
 
+
+def _ask(node: Node, mesh: MeshSpec, candidates: dict[Node, Sequence[Placements]]):
+    """One call of DTensor's rule for `node`; None if the rule rejects these candidates."""
+    op = node.target
+    dmesh = mesh.fake_device_mesh
     single_dim = op in _PROPAGATOR.op_single_dim_strategy_funcs
 
     def to_strategy(arg):
@@ -62,7 +76,11 @@ def dtensor_strategies(
         return arg
 
     args, kwargs = pytree.tree_map(to_strategy, (node.args, node.kwargs))
-    schema = OpSchema(op, tuple(args), kwargs, schema_info=_PROPAGATOR.op_to_schema_info.get(op))
+    args = [TupleStrategy(a) if isinstance(a, (list, tuple)) and a and
+            all(isinstance(x, OpStrategy) for x in a) else a for a in args]
+    info_table = (_PROPAGATOR.op_to_schema_info_for_single_dim_strategy if single_dim
+                  else _PROPAGATOR.op_to_schema_info)
+    schema = OpSchema(op, tuple(args), kwargs, schema_info=info_table.get(op))
     try:
         if single_dim:
             info = _PROPAGATOR.op_single_dim_strategy_funcs[op]

@@ -27,6 +27,12 @@ from .redistribute import redistribute_steps, step_sizes
 from .strategies import output_values, tensor_inputs
 
 
+# Export turned reshapes into views where the traced strides allowed it; local shards
+# from collectives may have other strides, so views become reshapes (still views when legal).
+_RESHAPES = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+             torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+
+
 @dataclass(frozen=True)
 class RankView:
     """One rank's place in the mesh: its coordinate and the process group of each axis."""
@@ -108,6 +114,7 @@ def _emit(graph: Graph, env, moved, node: Node, spec, rank: RankView) -> Node:
                     for (src, i), pl in zip(inputs, spec.inputs)]
     if spec.kernel == "local":
         op, args, kwargs = local_call(node, rank.mesh, rank.coord, spec.inputs, local_inputs)
+        op = _RESHAPES.get(op, op)
     else:
         op, args, kwargs = registry.kernel_call(spec.kernel, node, spec, rank, local_inputs)
     new = graph.call_function(op, args, kwargs)

@@ -67,7 +67,10 @@ class ParallelModule(nn.Module):
         groups = tuple(self.device_mesh.get_group(a).group_name for a in self.mesh.axis_names)
         self._rank = RankView(self.mesh, coord, groups)
         shard_parameters(self._model, self.plan.param_placements, self.device_mesh, coord)
-        gm = rewrite(captured, self.plan, self._rank, training=opts["training"])
+        # Inputs that do not require grad skip these gradient collectives at run time.
+        floating = frozenset(n for n, v in zip(captured.inputs, captured.input_values)
+                             if isinstance(v, torch.Tensor) and v.is_floating_point())
+        gm = rewrite(captured, self.plan, self._rank, training=opts["training"], inputs_with_grad=floating)
         self._captured = captured
         self._graph = gm
         self._program = torch.compile(gm, fullgraph=True) if opts["compile"] else gm

@@ -1,0 +1,103 @@
+"""Bad input gets a ValueError that says what is wrong and how to fix it."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+import autojigsaw
+
+from .models import MLP, build
+
+X = torch.randn(2, 5, 16)
+
+
+def _plan(**kw):
+    kw.setdefault("device", "cpu")
+    return autojigsaw.plan(MLP(), (X,), kw.pop("mesh", {"tensor": 2}), **kw)
+
+
+@pytest.mark.parametrize("mesh,match", [
+    ({"tensor": 0}, "axis 'tensor' has size 0"),
+    ({}, "one size per axis"),
+    ([2, 2], "mapping of axis name to size"),
+])
+def test_bad_mesh(mesh, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(mesh=mesh)
+
+
+def test_input_placements_for_another_mesh():
+    with pytest.raises(ValueError, match=r"2 placements for a mesh of 1 axes.*one placement per mesh axis"):
+        _plan(input_placements=[(Shard(0), Replicate())])
+
+
+def test_input_placement_on_missing_dim():
+    with pytest.raises(ValueError, match=r"S\(5\) on axis 'tensor' names a dim the tensor of shape \(2, 5, 16\)"):
+        _plan(input_placements=[(Shard(5),)])
+
+
+def test_budget_too_small_names_largest_tensors():
+    with pytest.raises(ValueError, match=r"no plan fits the memory budget.*fc1.weight.*bigger mesh"):
+        _plan(memory_budget=1000)
+
+
+def test_unknown_device():
+    with pytest.raises(ValueError, match=r"unknown device 'tpu'; known: \['a100', 'cpu', 'h100', 'h200'\]"):
+        _plan(device="tpu")
+
+
+class _DataDependent(torch.nn.Module):
+    def forward(self, x):
+        return x if x.sum() > 0 else -x
+
+
+def test_uncapturable_model():
+    with pytest.raises(ValueError, match="torch.export could not capture _DataDependent.*data-dependent"):
+        autojigsaw.plan(_DataDependent(), (X,), {"tensor": 2})
+
+
+def test_parallelize_without_process_group():
+    with pytest.raises(ValueError, match="needs a process group.*init_process_group"):
+        autojigsaw.parallelize(MLP(), {"tensor": 2}, (X,))
+
+
+def _wrong_world_size():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    half = DeviceMesh("cpu", [0, 1], mesh_dim_names=("tensor",), _init_backend=False)
+    try:
+        autojigsaw.parallelize(MLP(), half, (X,), compile=False)
+    except ValueError as e:
+        return str(e)
+
+
+def test_mesh_smaller_than_world(ranks4):
+    for message in ranks4.run(_wrong_world_size):
+        assert "has 2 ranks but the process group has 4" in message
+
+
+def _plan_for_other_mesh_and_wrong_inputs():
+    from autojigsaw.local_ranks import get_mesh
+
+    mesh = get_mesh((2,), ("tensor",))
+    other = autojigsaw.plan(MLP(), (X,), {"tensor": 4}, device="cpu")
+    errors = []
+    try:
+        autojigsaw.parallelize(MLP(), mesh, (X,), compile=False, plan=other)
+    except ValueError as e:
+        errors.append(str(e))
+    pmodel = autojigsaw.parallelize(build("mlp", torch.float32), mesh, (X,), compile=False)
+    try:
+        pmodel(torch.randn(2, 6, 16))
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_plan_for_another_mesh_and_inputs_of_another_shape(ranks2):
+    for errors in ranks2.run(_plan_for_other_mesh_and_wrong_inputs):
+        assert "made for mesh tensor=4 but the module runs on tensor=2" in errors[0]
+        assert "input 'x' has shape (2, 6, 16) but the plan expects the whole input of shape (2, 5, 16)" in errors[1]
