@@ -49,6 +49,7 @@ def _worker(rank, world_size, port, collective_timeout, threads, tasks, results)
         world_size=world_size,
         timeout=datetime.timedelta(seconds=collective_timeout),
     )
+    results.put((rank, None, "ready"))
     while True:
         task = tasks.get()
         if task is None:
@@ -75,6 +76,7 @@ class LocalRanks:
         timeout: float = 300.0,
         collective_timeout: float = 60.0,
         threads_per_rank: int = 1,
+        startup_timeout: float = 180.0,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -82,6 +84,7 @@ class LocalRanks:
         self.timeout = timeout
         self.collective_timeout = collective_timeout
         self.threads_per_rank = threads_per_rank
+        self.startup_timeout = startup_timeout
         self._procs: list = []
 
     def _start(self) -> None:
@@ -100,6 +103,16 @@ class LocalRanks:
         ]
         for p in self._procs:
             p.start()
+        # Starting torch takes seconds: wait for every worker here, not in a task's timeout.
+        ready = 0
+        while ready < self.world_size:
+            try:
+                self._results.get(timeout=self.startup_timeout)
+            except queue.Empty:
+                self.close()
+                raise TimeoutError(f"{self.world_size} workers did not start within "
+                                   f"{self.startup_timeout:.0f} s") from None
+            ready += 1
 
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
         """Call `fn(*args, **kwargs)` on every rank; return the results in rank order."""
