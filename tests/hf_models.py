@@ -1,0 +1,40 @@
+"""Tiny Hugging Face models (built from configs, no downloads) and inputs for them."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+NAMES = ("gpt2", "llama", "bert", "vit")
+
+
+def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
+    """(model, example inputs) of a 2-layer, 64-wide `name` with seeded weights."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 128, (2, 16))
+    if name == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                            use_cache=False, bos_token_id=0, eos_token_id=0, resid_pdrop=dropout,
+                            embd_pdrop=dropout, attn_pdrop=dropout)
+        return tf.GPT2LMHeadModel(cfg), (ids,)
+    if name == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                             use_cache=False, attention_dropout=dropout)
+        return tf.LlamaForCausalLM(cfg), (ids,)
+    if name == "bert":
+        cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                            num_attention_heads=4, vocab_size=128, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout)
+        return tf.BertModel(cfg), (ids,)
+    if name == "vit":
+        cfg = tf.ViTConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=4, image_size=32, patch_size=8,
+                           hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+        return tf.ViTModel(cfg), (torch.randn(2, 3, 32, 32),)
+    raise ValueError(f"unknown model {name!r}; known: {NAMES}")
