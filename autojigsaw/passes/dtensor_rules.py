@@ -21,7 +21,7 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from ..mesh import MeshSpec
-from ..placements import Placements, normalize
+from ..placements import Placements, local_shape, normalize
 
 _PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
 
@@ -125,40 +125,49 @@ def _placements(spec) -> Placements | None:
 
 
 def local_call(node: Node, mesh: MeshSpec, coord: tuple[int, ...], inputs: tuple[Placements, ...],
-               tensor_args: list) -> tuple[object, tuple, dict]:
+               outputs: tuple[Placements | None, ...], tensor_args: list) -> tuple[object, tuple, dict]:
     """The (op, args, kwargs) that compute this rank's shard, as DTensor's dispatch would.
 
-    Shape arguments of views and factories become local shapes; squeezes keep only
-    globally singleton dims. `tensor_args` replace the node's tensor inputs, in order.
+    Shape arguments of views and factories become this rank's output shape; squeezes keep
+    only globally singleton dims. `tensor_args` replace the node's tensor inputs, in order.
     """
-    op = node.target
-    args, kwargs = node.args, node.kwargs
-    if (op in _PROPAGATOR.op_to_shape_and_stride_idx or op in _PROPAGATOR.squeeze_op_to_dims_variant
-            or op in _PROPAGATOR.op_to_scalar_shape_adjuster):
+    op, args, kwargs = node.target, list(node.args), dict(node.kwargs)
+    if op in _PROPAGATOR.op_to_shape_and_stride_idx:
+        index = _PROPAGATOR.op_to_shape_and_stride_idx[op]
+        shape_idx, stride_idx = index if isinstance(index, tuple) else (index, None)
+        local = local_shape(node.meta["val"].shape, outputs[0], mesh.sizes, coord)
+        args[shape_idx] = list(local)
+        if stride_idx is not None:
+            args[stride_idx] = list(torch.empty(local, device="meta").stride())
+    elif op in _PROPAGATOR.squeeze_op_to_dims_variant:
+        op, args = _squeeze_global_singletons(node)
+    elif op in _PROPAGATOR.op_to_scalar_shape_adjuster:
         dmesh = _mesh_at(mesh, coord)
-        it = iter(inputs)
-
-        def to_spec(arg):
-            if isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor):
-                return DTensorSpec(dmesh, next(it), _meta(arg.meta["val"]))
-            return arg
-
-        s_args, s_kwargs = pytree.tree_map(to_spec, (args, kwargs))
-        schema = OpSchema(op, tuple(s_args), s_kwargs, schema_info=_PROPAGATOR.op_to_schema_info.get(op))
-        sharding = _PROPAGATOR.propagate_op_sharding_non_cached(schema)
-        if sharding.use_val_from_redistribute_schema and sharding.redistribute_schema is not None:
-            local = sharding.redistribute_schema
-            op, args, kwargs = local.op, local.args_schema, local.kwargs_schema
+        tensor_nodes = [a for a in args if isinstance(a, Node)]
+        specs = [DTensorSpec(dmesh, p, _meta(a.meta["val"])) for p, a in zip(inputs, tensor_nodes)]
+        it = iter(specs)
+        schema = OpSchema(op, tuple(next(it) if isinstance(a, Node) else a for a in args), kwargs)
+        local = _PROPAGATOR.op_to_scalar_shape_adjuster[op](specs, schema)
+        args = [a if isinstance(a, Node) else b for a, b in zip(args, local.args_schema)]
     tensors = iter(tensor_args)
 
     def to_local(arg):
-        is_tensor = isinstance(arg, DTensorSpec) or (
-            isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor))
-        return next(tensors) if is_tensor else arg
+        return next(tensors) if isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor) else arg
 
-    args, kwargs = pytree.tree_map(to_local, (tuple(args), dict(kwargs)),
-                                   is_leaf=lambda x: isinstance(x, DTensorSpec))
+    args, kwargs = pytree.tree_map(to_local, (tuple(args), kwargs))
     return op, args, kwargs
+
+
+def _squeeze_global_singletons(node: Node):
+    """squeeze.dims over the dims of size 1 in the GLOBAL tensor (a shard may be 1 long)."""
+    x = node.args[0].meta["val"]
+    ndim = x.ndim
+    if len(node.args) == 1:
+        dims = [d for d in range(ndim) if x.shape[d] == 1]
+    else:
+        asked = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = [d % ndim for d in asked if x.shape[d % ndim] == 1]
+    return _PROPAGATOR.squeeze_op_to_dims_variant[node.target], [node.args[0], dims]
 
 
 _MESHES: dict = {}

@@ -113,7 +113,7 @@ def _emit(graph: Graph, env, moved, node: Node, spec, rank: RankView) -> Node:
     local_inputs = [_moved(env, moved, graph, src, i, pl, rank, node.name)
                     for (src, i), pl in zip(inputs, spec.inputs)]
     if spec.kernel == "local":
-        op, args, kwargs = local_call(node, rank.mesh, rank.coord, spec.inputs, local_inputs)
+        op, args, kwargs = local_call(node, rank.mesh, rank.coord, spec.inputs, spec.outputs, local_inputs)
         op = _RESHAPES.get(op, op)
     else:
         op, args, kwargs = registry.kernel_call(spec.kernel, node, spec, rank, local_inputs)
