@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -116,6 +117,11 @@ class LocalRanks:
 
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
         """Call `fn(*args, **kwargs)` on every rank; return the results in rank order."""
+        try:  # fail here, not after the timeout, when the task cannot reach the workers
+            pickle.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"cannot send {getattr(fn, '__name__', fn)} to the workers: {e}; "
+                            "pass a module-level function and picklable arguments") from e
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -70,12 +70,16 @@ class MeshSpec:
     def describe(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.sizes))
 
-    @cached_property
+    @property
     def fake_device_mesh(self):
         """A DeviceMesh of this shape with no process group behind it (for DTensor's rules)."""
-        from torch.distributed.device_mesh import DeviceMesh
+        return _fake_device_mesh(self)
 
-        ranks = torch.arange(self.world_size).reshape(self.sizes)
-        return DeviceMesh(
-            "cpu", ranks, mesh_dim_names=self.axis_names, _init_backend=False, _rank=0
-        )
+
+@functools.cache
+def _fake_device_mesh(mesh: MeshSpec):
+    # Cached outside the instance, so a MeshSpec (and a Plan holding one) stays picklable.
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(mesh.world_size).reshape(mesh.sizes)
+    return DeviceMesh("cpu", ranks, mesh_dim_names=mesh.axis_names, _init_backend=False, _rank=0)
