@@ -2,55 +2,79 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
 from .capture import Captured, capture
-from .cost_model.devices import device_spec
+from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext, needs_grad
+from .cost_model.memory import Optimizer, optimizer_spec
 from .mesh import MeshSpec
 from .passes.comm_accounting import traffic_by_origin
 from .passes.rewrite import RankView, rewrite
 from .passes.strategies import annotate
 from .placements import Placements, normalize
-from .plan import Plan
+from .plan import Plan, PlanStats
 from .planner import build_problem, solve
-from .planner.assemble import assemble
+from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
+from .runtime.data_parallel import data_pins
 
 
-def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str = "h100",
-         training: bool = True, memory_budget: int | None = None,
+def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str | DeviceSpec = "h100",
+         training: bool = True, memory_budget: int | None = None, optimizer: str | Optimizer = "adam",
          input_placements: Sequence[Placements | None] | None = None,
          output_placements: Sequence[Placements] | None = None,
-         example_kwargs: Mapping | None = None) -> Plan:
+         example_kwargs: Mapping | None = None, tie_layers: bool | None = None) -> Plan:
     """Plan `model` on `mesh` (a DeviceMesh or e.g. {"domain": 8, "tensor": 8}); runs nothing.
 
-    No process group is needed and the model may live on the meta device.
+    No process group is needed and the model may live on the meta device. `device` names a
+    spec ("h100", "cpu", ...) or is one (autojigsaw.calibrate); the budget defaults to 90 % of
+    its memory. `tie_layers` gives repeated layers one shared strategy per node (None: for
+    big problems only; smaller ones get the exact optimum over every node's choice).
     """
     captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}))
     return plan_captured(captured, MeshSpec.of(mesh), device=device, training=training,
-                         memory_budget=memory_budget, input_placements=input_placements,
-                         output_placements=output_placements)
+                         memory_budget=memory_budget, optimizer=optimizer, input_placements=input_placements,
+                         output_placements=output_placements, tie_layers=tie_layers)
 
 
-def plan_captured(captured: Captured, mesh: MeshSpec, *, device, training: bool,
-                  memory_budget: int | None, input_placements=None, output_placements=None) -> Plan:
-    """The four planning stages on an already captured graph."""
+def plan_captured(captured: Captured, mesh: MeshSpec, *, device, training: bool, memory_budget: int | None,
+                  optimizer: str | Optimizer = "adam", input_placements=None, output_placements=None,
+                  tie_layers: bool | None = None) -> Plan:
+    """The planning stages on an already captured graph: strategies, costs, solve, Plan."""
     spec = device_spec(device)
     budget = int(memory_budget if memory_budget is not None else 0.9 * spec.memory_bytes)
-    fixed = _fixed_inputs(captured, mesh, input_placements)
-    outputs = _output_placements(captured, mesh, output_placements)
-    annotate(captured.gm, mesh, fixed, outputs)
-    params = set(captured.params)
-    problem = build_problem(captured.gm, CostContext(mesh, spec, training), params,
-                            needs_grad(captured.gm, params, set()))
-    choice = solve(problem, budget)
-    if not choice:
+    t0 = time.perf_counter()
+    annotate(captured.gm, mesh, data_pins(captured, mesh, _fixed_inputs(captured, mesh, input_placements)),
+             _output_placements(captured, mesh, output_placements))
+    t1 = time.perf_counter()
+    ctx = CostContext(mesh, spec, training, optimizer_spec(optimizer))
+    problem = _problem(captured, ctx, tie_layers)
+    t2 = time.perf_counter()
+    solution = solve(problem, budget)
+    if solution is None:
         raise infeasible_error(captured, problem, mesh, budget)
-    return with_traffic(assemble(captured, problem, choice, mesh, spec.name, training, budget), captured)
+    t3 = time.perf_counter()
+    planned = with_traffic(assemble(captured, problem, solution, ctx, budget), captured)
+    return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
+                                            problem.n_groups, problem.n_binaries, solution.solves,
+                                            len(solution.cuts)))
+
+
+def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,
+             optimizer: str | Optimizer = "adam", example_kwargs: Mapping | None = None) -> Plan:
+    """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans."""
+    captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}))
+    fixed = {name: pl for name, pl in zip(captured.inputs, plan.input_placements) if pl is not None}
+    annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
+    ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer))
+    problem = _problem(captured, ctx, tie_layers=False)
+    return with_traffic(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
+                        captured)
 
 
 def with_traffic(plan: Plan, captured: Captured) -> Plan:
@@ -60,6 +84,13 @@ def with_traffic(plan: Plan, captured: Captured) -> Plan:
     traffic = traffic_by_origin(gm, rank, set(captured.params), plan.training)
     nodes = tuple(replace(n, comm_bytes=traffic.get(n.name, 0)) for n in plan.nodes)
     return replace(plan, nodes=nodes, comm_bytes=sum(traffic.values()))
+
+
+def _problem(captured: Captured, ctx: CostContext, tie_layers: bool | None):
+    """The costs of every strategy of the annotated graph; parameters and buffers live throughout."""
+    grad = needs_grad(captured.gm, set(captured.params), set())
+    return build_problem(captured.gm, ctx, captured.params, grad, tie_layers=tie_layers,
+                         persistent=set(captured.params) | set(captured.buffers))
 
 
 def _fixed_inputs(captured: Captured, mesh: MeshSpec, placements) -> dict[str, Placements]:

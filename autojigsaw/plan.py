@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
@@ -25,19 +26,42 @@ class NodeSharding:
     name: str
     op: str
     kind: str  # matmul | attention | softmax | norm | embedding | param | input | other
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of the first output
     inputs: tuple[Placements, ...]
     outputs: tuple[Placements | None, ...]
     kernel: str = "local"
     fallback: bool = False
     note: str = ""
     comm_bytes: int = 0  # sent per rank per step, resharding into this node included
-    compute_s: float = 0.0
-    memory_bytes: int = 0
+    compute_s: float = 0.0  # forward (+ backward) on the largest shard, kernel-internal comm included
+    memory_bytes: int = 0  # what this node holds: its output (or parameter, gradient, optimizer
+    #                        state) and what it saves for backward, per rank
+    comm_s: float = 0.0  # predicted time of the resharding into this node (and its gradient back)
+    input_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def output(self) -> Placements | None:
         return self.outputs[0] if self.outputs else None
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """How planning went: seconds per stage, problem size, memory rows the solver added."""
+
+    strategies_s: float
+    problem_s: float
+    solve_s: float
+    traffic_s: float
+    nodes: int
+    groups: int  # variables groups after tying repeated layers
+    strategies: int  # binary variables
+    solves: int
+    memory_cuts: int
+
+    def __str__(self) -> str:
+        return (f"planned {self.nodes} nodes as {self.groups} groups ({self.strategies} binaries): "
+                f"strategies {self.strategies_s:.2f} s, costs {self.problem_s:.2f} s, solve {self.solve_s:.2f} s "
+                f"({self.solves} MILP(s), {self.memory_cuts} memory row(s)), traffic {self.traffic_s:.2f} s")
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,13 @@ class Plan:
     comm_bytes: int  # predicted bytes each rank sends in one step
     step_time: float  # predicted seconds per step
     memory_budget: int | None = None
+    peak_at: str = ""  # the program point of the peak ("backward of linear_3")
+    stats: PlanStats | None = field(default=None, compare=False)
+    explainer: Callable | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        """Plain data only: the planner's explainer stays with the process that planned."""
+        return {**self.__dict__, "explainer": None}
 
     def node(self, name: str) -> NodeSharding:
         for n in self.nodes:
@@ -75,27 +106,41 @@ class Plan:
 
     # ------------------------------------------------------------ printing
 
-    def table(self) -> str:
-        """One row per matmul / attention / softmax / norm / fallback node, and a summary."""
+    def table(self, *, every_node: bool = False) -> str:
+        """One row per matmul / attention / softmax / norm / embedding / fallback node (or every
+        node), and a summary row: predicted step time, comm per rank, peak memory against the budget."""
         rows = [
-            (n.name, n.op, "x".join(map(str, n.shape)),
+            (n.name, n.op, " ".join("x".join(map(str, s)) for s in n.input_shapes) + " -> "
+             + "x".join(map(str, n.shape)),
              " ".join(format_placements(p) for p in n.inputs),
              format_placements(n.output) if n.output else "",
              n.kernel + (" (fallback)" if n.fallback else ""),
-             _bytes(n.comm_bytes), _seconds(n.compute_s), _bytes(n.memory_bytes), n.note)
-            for n in self.nodes if n.kind in SHOWN_KINDS or n.fallback
+             _bytes(n.comm_bytes), _seconds(n.comm_s), _seconds(n.compute_s), _bytes(n.memory_bytes), n.note)
+            for n in self.nodes if every_node or n.kind in SHOWN_KINDS or n.fallback
         ]
-        headers = ["node", "op", "shape", "inputs", "output", "kernel", "comm/rank",
+        headers = ["node", "op", "shapes", "inputs", "output", "kernel", "comm/rank", "comm time",
                    "compute", "memory", "note"]
+        comm_s = sum(n.comm_s for n in self.nodes)
+        rows.append(("TOTAL", "", "", "", "", f"{len(self.fallbacks)} fallback(s)", _bytes(self.comm_bytes),
+                     _seconds(comm_s), _seconds(self.step_time - comm_s), "peak " + _bytes(self.memory_per_rank),
+                     f"step {_seconds(self.step_time)}"))
         budget = f" of {_bytes(self.memory_budget)} budget" if self.memory_budget else ""
         summary = (
             f"mesh {self.mesh.describe()} on {self.device}, "
             f"{'training' if self.training else 'inference'}: "
             f"predicted step {_seconds(self.step_time)}, comm {_bytes(self.comm_bytes)}/rank, "
-            f"peak memory {_bytes(self.memory_per_rank)}/rank{budget}; "
-            f"{len(self.fallbacks)} fallback node(s)"
+            f"peak memory {_bytes(self.memory_per_rank)}/rank{budget}"
+            + (f" at the {self.peak_at}" if self.peak_at else "") + f"; {len(self.fallbacks)} fallback node(s)"
         )
         return tabulate(rows, headers=headers, tablefmt="simple") + "\n" + summary
+
+    def explain(self, node: str) -> str:
+        """Every candidate strategy of `node` with its costs, why the chosen one won, and its formulas."""
+        self.node(node)
+        if self.explainer is None:
+            raise ValueError("this plan carries no planner data (it was loaded or edited): explain needs "
+                             "the plan that autojigsaw.plan or parallelize made")
+        return str(self.explainer(node))
 
     def __str__(self) -> str:
         return self.table()
@@ -113,7 +158,7 @@ class Plan:
             "input_placements": [pl(p) for p in self.input_placements],
             "output_placements": [pl(p) for p in self.output_placements],
             "memory_per_rank": self.memory_per_rank, "comm_bytes": self.comm_bytes,
-            "step_time": self.step_time, "memory_budget": self.memory_budget,
+            "step_time": self.step_time, "memory_budget": self.memory_budget, "peak_at": self.peak_at,
             "nodes": [{**asdict(n), "inputs": [pl(p) for p in n.inputs],
                        "outputs": [pl(p) for p in n.outputs]} for n in self.nodes],
         }
@@ -128,6 +173,7 @@ class Plan:
 
         nodes = tuple(
             NodeSharding(**{**n, "shape": tuple(n["shape"]),
+                            "input_shapes": tuple(tuple(x) for x in n.get("input_shapes", ())),
                             "inputs": tuple(pl(p) for p in n["inputs"]),
                             "outputs": tuple(pl(p) for p in n["outputs"])})
             for n in d["nodes"]
@@ -139,7 +185,7 @@ class Plan:
             input_placements=tuple(pl(p) for p in d["input_placements"]),
             output_placements=tuple(pl(p) for p in d["output_placements"]),
             memory_per_rank=d["memory_per_rank"], comm_bytes=d["comm_bytes"],
-            step_time=d["step_time"], memory_budget=d["memory_budget"],
+            step_time=d["step_time"], memory_budget=d["memory_budget"], peak_at=d.get("peak_at", ""),
         )
 
 

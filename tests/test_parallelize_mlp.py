@@ -17,7 +17,7 @@ CASES = [
     ("mlp", (2, 5, 16), (2,), ("tensor",), 50_000, FP64),
     ("mlp", (2, 5, 16), (4,), ("tensor",), 30_000, FP32),
     ("stack", (3, 7, 16), (4,), ("tensor",), 100_000, FP64),
-    ("stack", (3, 7, 16), (2, 2), ("domain", "tensor"), 100_000, FP32),
+    ("stack", (3, 7, 16), (2, 2), ("domain", "tensor"), 80_000, FP32),
     ("stack", (3, 7, 16), (2,), ("tensor",), None, FP64),  # default budget: replicated is fastest
 ]
 

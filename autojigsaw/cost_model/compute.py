@@ -1,45 +1,107 @@
-"""Compute cost: FLOPs of a node on local shards, and its roofline time on a device."""
+"""Compute cost: FLOPs of a node on local shards, and its roofline time on a device.
+
+Each op belongs to a kind (matmul, conv, attention, softmax, norm, elementwise) with a FLOP
+formula in a few local dims (M, N, K for a matmul). A kernel's time is the roofline
+max(FLOPs / peak, bytes moved / memory bandwidth, launch floor). Shapes may be tuples of
+ints, numpy columns (one entry per strategy: a whole node at once) or sympy expressions
+(for Plan.explain); the same code serves all three.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import sympy
 import torch
 
 from .devices import DeviceSpec
+from .formulas import Formula, symbols
 
 aten = torch.ops.aten
 
-# Ops whose backward costs about twice their forward (two matmuls per matmul).
 MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
            aten.baddbmm.default, aten.matmul.default, aten.convolution.default, aten.conv2d.default}
-ATTENTION = {aten.scaled_dot_product_attention.default}
+ATTENTION = {aten.scaled_dot_product_attention.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_efficient_attention.default}
+SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default}
+NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default,
+         aten._fused_rms_norm.default, aten.group_norm.default, aten.native_group_norm.default}
+
+Shape = Sequence  # of ints, numpy arrays (one entry per strategy) or sympy expressions
+
+_M, _N, _K, _BH, _SQ, _SK, _D, _DV, _E, _R = symbols("M N K BH Sq Sk D Dv E R")
+_F, _BYTES, _PEAK, _BW, _FLOOR = symbols("flops bytes peak bandwidth floor")
+
+ROOFLINE = Formula("kernel_time", sympy.Max(_F / _PEAK, _BYTES / _BW, _FLOOR),
+                   (_F, _BYTES, _PEAK, _BW, _FLOOR))
 
 
-def flops(op, in_shapes: list[tuple[int, ...]], out_shapes: list[tuple[int, ...]]) -> float:
-    """FLOPs of `op` given its local input and output shapes (a multiply-add counts 2)."""
-    out = out_shapes[0] if out_shapes else ()
-    if op in (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
-              aten.baddbmm.default, aten.matmul.default):
-        contraction = in_shapes[0][-1] if op is not aten.addmm.default else in_shapes[1][-1]
-        if op is aten.baddbmm.default:
-            contraction = in_shapes[1][-1]
-        return 2.0 * math.prod(out) * contraction
+@dataclass(frozen=True)
+class OpKind:
+    """A family of ops with one FLOP formula; `dims` reads its arguments off local shapes."""
+
+    name: str
+    flops: Formula
+    dims: Callable[[list[Shape], list[Shape]], tuple]
+    backward: float  # backward time as a multiple of forward time
+
+
+def _contraction(op, ins: list[Shape]):
+    return ins[1][-1] if op in (aten.addmm.default, aten.baddbmm.default) else ins[0][-1]
+
+
+def _matmul_dims(op):
+    return lambda ins, outs: (math.prod(outs[0][:-1]), outs[0][-1], _contraction(op, ins))
+
+
+def _attention_dims(ins, outs):
+    q, k, v = ins[0], ins[1], ins[2]
+    return math.prod(q[:-2]), q[-2], k[-2], q[-1], v[-1]
+
+
+_MATMUL_FLOPS = Formula("matmul_flops", 2 * _M * _N * _K, (_M, _N, _K))
+_CONV = OpKind("conv", Formula("conv_flops", 2 * _E * _R, (_E, _R)),
+               lambda ins, outs: (math.prod(outs[0]), math.prod(ins[1][1:])), 2.0)
+_ATTENTION = OpKind("attention", Formula("attention_flops", 2 * _BH * _SQ * _SK * (_D + _DV),
+                                         (_BH, _SQ, _SK, _D, _DV)), _attention_dims, 2.5)
+_SOFTMAX = OpKind("softmax", Formula("softmax_flops", 5 * _E, (_E,)),
+                  lambda ins, outs: (math.prod(outs[0]),), 1.0)
+_NORM = OpKind("norm", Formula("norm_flops", 8 * _E, (_E,)), lambda ins, outs: (math.prod(ins[0]),), 1.0)
+_ELEMENTWISE = OpKind("elementwise", Formula("elementwise_flops", _E, (_E,)),
+                      lambda ins, outs: (sum(math.prod(o) for o in outs) if outs else 0,), 1.0)
+
+
+def op_kind(op) -> OpKind:
+    """The kind (and so the FLOP formula) of an ATen op."""
     if op in (aten.convolution.default, aten.conv2d.default):
-        weight = in_shapes[1]
-        return 2.0 * math.prod(out) * math.prod(weight[1:])
+        return _CONV
+    if op in MATMULS:
+        return OpKind("matmul", _MATMUL_FLOPS, _matmul_dims(op), 2.0)
     if op in ATTENTION:
-        q, k = in_shapes[0], in_shapes[1]
-        return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
-    return float(sum(math.prod(s) for s in out_shapes))  # elementwise-like: one op per element
+        return _ATTENTION
+    if op in SOFTMAX:
+        return _SOFTMAX
+    if op in NORMS:
+        return _NORM
+    return _ELEMENTWISE
 
 
-def roofline_time(op_flops: float, bytes_moved: float, dtype: torch.dtype, device: DeviceSpec) -> float:
-    """max(compute, memory traffic, launch floor): the time of one kernel."""
-    return max(op_flops / device.peak_flops(dtype), bytes_moved / device.memory_bandwidth,
-               device.kernel_floor_s)
+def flops(op, in_shapes: list[Shape], out_shapes: list[Shape]):
+    """FLOPs of `op` given its local input and output shapes (a multiply-add counts 2)."""
+    kind = op_kind(op)
+    return kind.flops(*kind.dims(in_shapes, out_shapes))
+
+
+def roofline_time(op_flops, bytes_moved, dtype: torch.dtype, device: DeviceSpec):
+    """max(compute, memory traffic, launch floor): the time of one kernel (arrays allowed)."""
+    return ROOFLINE(op_flops, bytes_moved, device.peak_flops(dtype), device.memory_bandwidth,
+                    device.kernel_floor_s)
 
 
 def backward_factor(op) -> float:
     """Backward time as a multiple of forward time."""
-    return 2.0 if op in MATMULS or op in ATTENTION else 1.0
+    return op_kind(op).backward

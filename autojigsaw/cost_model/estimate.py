@@ -1,15 +1,18 @@
-"""Per-strategy costs the planner minimizes: node time and memory, edge resharding time.
+"""Per-strategy costs the planner minimizes: node time per strategy, edge resharding time and bytes.
 
-Times are seconds of one step (forward, plus backward when training); memory is bytes per
-rank that the choice adds to the step's peak (parameters with their gradients and
-optimizer state, activations saved for backward). All shapes are those of the rank holding
-the largest shards (mesh coordinate 0: torch.chunk puts the larger chunks first).
+Times are seconds of one step (forward, plus backward when training). A node's costs come
+for all its strategies at once, as numpy arrays: local shapes per strategy, then the
+compiled formulas of compute.py. Memory is liveness.py's. Shapes are those of the rank
+holding the largest shards (mesh coordinate 0: torch.chunk puts the larger chunks first).
+
+Kernels that communicate inside, or do other work than their op, price themselves with
+`kernels.registry.cost`: their function replaces the default time (and saved bytes).
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -17,26 +20,36 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import GraphModule, Node
 
+from ..kernels import registry
 from ..mesh import MeshSpec
 from ..passes.redistribute import adjoint, redistribute_steps, step_input_numel
 from ..passes.strategies import Strategy, output_values, tensor_inputs
 from ..placements import Placements, local_shape
-from .comm import collective_time
-from .compute import backward_factor, flops, roofline_time
+from .comm import bytes_sent, collective_time
+from .compute import op_kind, roofline_time
 from .devices import DeviceSpec
+from .memory import OPTIMIZERS, Optimizer, is_view
+
 
 @dataclass(frozen=True)
 class CostContext:
-    """What every cost needs: the mesh, the device, and whether a backward pass follows."""
+    """What every cost needs: the mesh, the device, whether a backward pass and which optimizer."""
 
     mesh: MeshSpec
     device: DeviceSpec
     training: bool
-    optimizer_states: int = 2  # Adam: exp_avg and exp_avg_sq
+    optimizer: Optimizer = field(default=OPTIMIZERS["adam"])
 
     @property
     def coord0(self) -> tuple[int, ...]:
         return (0,) * self.mesh.ndim
+
+    @property
+    def optimizer_states(self) -> int:
+        return self.optimizer.states
+
+    def link(self, axis: int):
+        return self.device.axis_link(self.mesh.sizes, axis, self.mesh.axis_names[axis])
 
 
 def needs_grad(gm: GraphModule, params: set[str], inputs_with_grad: set[str]) -> dict[str, bool]:
@@ -53,38 +66,71 @@ def needs_grad(gm: GraphModule, params: set[str], inputs_with_grad: set[str]) ->
     return out
 
 
-def _bytes(shape, dtype) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+@lru_cache(maxsize=None)
+def _local(shape: tuple[int, ...], placements: tuple, sizes: tuple[int, ...]) -> np.ndarray:
+    """[strategies, ndim]: the local shape of one tensor under each strategy's placements."""
+    coord = (0,) * len(sizes)
+    return np.array([local_shape(shape, p, sizes, coord) if p is not None else shape for p in placements],
+                    dtype=np.int64).reshape(len(placements), len(shape))
 
 
-def node_cost(node: Node, strategy: Strategy, ctx: CostContext, grad: bool, is_param: bool):
-    """(seconds, bytes of memory) of running `node` with `strategy` on the largest rank."""
-    sizes = ctx.mesh.sizes
-    outs = output_values(node)
-    out_shapes = [local_shape(v.shape, p, sizes, ctx.coord0) if v is not None and p is not None else ()
-                  for v, p in zip(outs, strategy.outputs)]
-    out_bytes = sum(_bytes(s, v.dtype) for s, v in zip(out_shapes, outs) if v is not None)
+def _columns(matrix: np.ndarray) -> list[np.ndarray]:
+    return [matrix[:, d].astype(float) for d in range(matrix.shape[1])]
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """Seconds per strategy, and the bytes kernels' own cost functions say they save (NaN: default)."""
+
+    time: np.ndarray
+    kernel_saved: np.ndarray | None = None
+
+
+def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: bool, is_param: bool) -> NodeCosts:
+    """The time of every strategy of `node` on the largest rank, one step."""
+    zeros = np.zeros(len(strategies))
     if node.op == "placeholder":
-        if is_param:
-            copies = 2 + ctx.optimizer_states if ctx.training else 1
-            step = out_bytes * (3 + 2 * ctx.optimizer_states) / ctx.device.memory_bandwidth
-            return (step if ctx.training else 0.0), out_bytes * copies
-        return 0.0, out_bytes
-    if node.op != "call_function" or node.target is operator.getitem:
-        return 0.0, 0
-    srcs = tensor_inputs(node)
-    in_shapes, in_bytes = [], 0
-    for (src, i), p in zip(srcs, strategy.inputs):
+        val = node.meta.get("val")
+        if not (is_param and ctx.training and isinstance(val, torch.Tensor)):
+            return NodeCosts(zeros)
+        sizes = ctx.mesh.sizes
+        local = _local(tuple(val.shape), tuple(s.outputs[0] for s in strategies), sizes)
+        nbytes = np.prod(local, axis=1) * val.dtype.itemsize
+        return NodeCosts(nbytes * (3 + 2 * ctx.optimizer.states) / ctx.device.memory_bandwidth)
+    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
+        return NodeCosts(zeros)
+    time = _default_times(node, tuple(strategies), ctx, grad)
+    hooked = [registry.kernel_cost(node, s, ctx, grad) for s in strategies]
+    if not any(h is not None for h in hooked):
+        return NodeCosts(time)
+    time = np.array([h[0] if h is not None else t for h, t in zip(hooked, time)], dtype=float)
+    saved = np.array([h[1] if h is not None else np.nan for h in hooked], dtype=float)
+    return NodeCosts(time, saved)
+
+
+def _default_times(node: Node, strategies: tuple[Strategy, ...], ctx: CostContext, grad: bool) -> np.ndarray:
+    sizes = ctx.mesh.sizes
+    in_shapes, nbytes = [], 0.0
+    for j, (src, i) in enumerate(tensor_inputs(node)):
         val = output_values(src)[i]
-        shape = local_shape(val.shape, p, sizes, ctx.coord0)
-        in_shapes.append(shape)
-        in_bytes += _bytes(shape, val.dtype)
-    dtype = next((v.dtype for v in outs if v is not None), torch.float32)
-    t = roofline_time(flops(node.target, in_shapes, out_shapes), in_bytes + out_bytes, dtype, ctx.device)
+        local = _local(tuple(val.shape), tuple(s.inputs[j] for s in strategies), sizes)
+        in_shapes.append(_columns(local))
+        nbytes = nbytes + np.prod(local, axis=1) * val.dtype.itemsize
+    out_shapes = []
+    for o, val in enumerate(output_values(node)):
+        if val is None:
+            continue
+        local = _local(tuple(val.shape), tuple(s.outputs[o] for s in strategies), sizes)
+        out_shapes.append(_columns(local))
+        nbytes = nbytes + np.prod(local, axis=1) * val.dtype.itemsize
+    dtype = next((v.dtype for v in output_values(node) if v is not None), torch.float32)
+    kind = op_kind(node.target)
+    n = len(strategies)
+    flops = np.broadcast_to(np.asarray(kind.flops(*kind.dims(in_shapes, out_shapes)), dtype=float), (n,))
+    t = roofline_time(flops, np.broadcast_to(np.asarray(nbytes, dtype=float), (n,)), dtype, ctx.device)
     if ctx.training and grad:
-        t *= 1.0 + backward_factor(node.target)
-    saved = out_bytes if ctx.training and grad else 0
-    return t, saved
+        t = t * (1.0 + kind.backward)
+    return np.asarray(t, dtype=float)
 
 
 def consumer_partial_axes(strategy: Strategy, k: int) -> tuple[bool, ...]:
@@ -97,37 +143,76 @@ def consumer_partial_axes(strategy: Strategy, k: int) -> tuple[bool, ...]:
     )
 
 
-def edge_cost(shape: tuple[int, ...], dtype: torch.dtype, src: Placements, dst: Placements,
-              partial: tuple[bool, ...], grad: bool, ctx: CostContext) -> float:
-    """Seconds to move a tensor from `src` to `dst` (and its gradient back, when training)."""
-    return _edge_cost(tuple(shape), dtype, src, dst, partial, grad and ctx.training, ctx)
+@dataclass(frozen=True)
+class EdgeCosts:
+    """Producer strategy x consumer strategy: seconds and bytes sent per rank to reshard."""
+
+    time: np.ndarray
+    bytes: np.ndarray
+
+
+def edge_costs(val: torch.Tensor, src: tuple[Placements, ...], dst: tuple[Placements, ...],
+               partial: tuple[tuple[bool, ...], ...], grad: bool, ctx: CostContext) -> EdgeCosts:
+    """Costs of moving `val` from each producer placement to each consumer one (and back)."""
+    return _edge_costs(tuple(val.shape), val.dtype, src, dst, partial, grad and ctx.training, ctx)
 
 
 @lru_cache(maxsize=None)
-def _edge_cost(shape, dtype, src, dst, partial, backward, ctx) -> float:
-    total = 0.0
-    steps = redistribute_steps(src, dst)
+def _edge_costs(shape, dtype, src, dst, partial, backward, ctx) -> EdgeCosts:
+    rows, row_of = _unique(src)
+    cols, col_of = _unique(tuple(zip(dst, partial)))
+    time = np.empty((len(rows), len(cols)))
+    sent = np.empty((len(rows), len(cols)))
+    for r, s in enumerate(rows):
+        for c, (d, p) in enumerate(cols):
+            time[r, c], sent[r, c] = _pair_cost(shape, dtype, s, d, p, backward, ctx)
+    return EdgeCosts(time[np.ix_(row_of, col_of)], sent[np.ix_(row_of, col_of)])
+
+
+def _unique(items: tuple) -> tuple[list, np.ndarray]:
+    first: dict = {}
+    of = np.array([first.setdefault(x, len(first)) for x in items], dtype=np.int64)
+    return list(first), of
+
+
+@lru_cache(maxsize=None)
+def _pair_cost(shape, dtype, src: Placements, dst: Placements, partial: tuple[bool, ...], backward: bool,
+              ctx: CostContext) -> tuple[float, int]:
+    """(seconds, bytes sent) to move a tensor from `src` to `dst`, and its gradient back."""
+    time, sent = 0.0, 0
+    for kind, nbytes, axis in collective_steps(shape, dtype.itemsize, src, dst, partial, backward, ctx.mesh):
+        time += _time(kind, nbytes, axis, ctx)
+        sent += bytes_sent(kind, nbytes, ctx.mesh.sizes[axis])
+    return time, sent
+
+
+def collective_steps(shape, itemsize: int, src: Placements, dst: Placements, partial: tuple[bool, ...],
+                     backward: bool, mesh: MeshSpec) -> list[tuple[str, int, int]]:
+    """(collective, input bytes, axis) of each collective a redistribution runs, forward then backward."""
+    coord = (0,) * mesh.ndim
+    out = []
+    steps = _steps(src, dst)
     for step in steps:
-        total += _step_time(step, shape, dtype, ctx)
-        if backward and (adj := adjoint(step, partial[step.axis])) is not None:
-            total += _step_time(adj, shape, dtype, ctx)
+        for s in [step] + ([a] if backward and (a := _adjoint(step, partial[step.axis])) is not None else []):
+            sized = _numel(s, tuple(shape), mesh.sizes, coord)
+            if sized is not None and mesh.sizes[s.axis] > 1:
+                out.append((sized[0], sized[1] * itemsize, s.axis))
     if backward:  # replicated on both ends, but the consumer returns a partial gradient
         touched = {s.axis for s in steps}
         for a, is_partial in enumerate(partial):
-            if is_partial and a not in touched and isinstance(dst[a], Replicate):
-                numel = int(np.prod(local_shape(shape, dst, ctx.mesh.sizes, ctx.coord0)))
-                total += _time("all_reduce", numel * dtype.itemsize, a, ctx)
-    return total
+            if is_partial and a not in touched and isinstance(dst[a], Replicate) and mesh.sizes[a] > 1:
+                numel = int(np.prod(local_shape(shape, dst, mesh.sizes, coord)))
+                out.append(("all_reduce", numel * itemsize, a))
+    return out
 
 
-def _step_time(step, shape, dtype, ctx: CostContext) -> float:
-    sized = step_input_numel(step, shape, ctx.mesh.sizes, ctx.coord0)
-    if sized is None:
-        return 0.0
-    kind, numel = sized
-    return _time(kind, numel * dtype.itemsize, step.axis, ctx)
+# The same steps recur across the pairs of every edge: work each out once.
+_steps = lru_cache(maxsize=None)(redistribute_steps)
+_adjoint = lru_cache(maxsize=None)(adjoint)
+_numel = lru_cache(maxsize=None)(step_input_numel)
 
 
 def _time(kind: str, nbytes: int, axis: int, ctx: CostContext) -> float:
-    link = ctx.device.axis_link(ctx.mesh.sizes, axis)
-    return collective_time(kind, nbytes, ctx.mesh.sizes[axis], link.latency_s, link.bandwidth)
+    link = ctx.link(axis)
+    return float(collective_time(kind, nbytes, ctx.mesh.sizes[axis], link.latency_s, link.bandwidth,
+                                 tree=ctx.device.tree_all_reduce))

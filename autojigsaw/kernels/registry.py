@@ -39,7 +39,10 @@ _TRAFFIC: dict[Callable, Callable] = {}
 
 
 def traffic(fn: Callable):
-    """Decorator: `count(node, rank, backward) -> [(collective, bytes)]` for kernel function `fn`."""
+    """Decorator: `count(node, rank, backward) -> [(collective, bytes)]` for kernel function `fn`.
+
+    `backward`: the node's inputs whose gradient is needed (empty: no backward pass).
+    """
 
     def wrap(count):
         _TRAFFIC[fn] = count
@@ -48,7 +51,31 @@ def traffic(fn: Callable):
     return wrap
 
 
-def kernel_traffic(node, rank, backward: bool) -> list[tuple[str, int]]:
+def kernel_traffic(node, rank, backward: frozenset) -> list[tuple[str, int]]:
     """Bytes a kernel call sends inside (none for kernels that do not communicate)."""
     count = _TRAFFIC.get(node.target)
     return count(node, rank, backward) if count else []
+
+
+_COSTS: dict[object, Callable] = {}
+
+
+def cost(key):
+    """Decorator: `fn(node, strategy, ctx, grad) -> (seconds, saved bytes)` for a kernel name or an op.
+
+    It replaces the default estimate (cost_model/estimate.node_costs) for strategies running
+    that kernel (or, for "local" ones, that op): kernels that communicate or skip work inside
+    need it. Saved bytes: what the node keeps for backward besides its outputs (NaN: the default).
+    """
+
+    def wrap(fn):
+        _COSTS[key] = fn
+        return fn
+
+    return wrap
+
+
+def kernel_cost(node, strategy, ctx, grad: bool) -> tuple[float, float] | None:
+    """(seconds, bytes) by the cost function of the strategy's kernel, else of its op; None: default."""
+    fn = _COSTS.get(strategy.kernel) or _COSTS.get(node.target)
+    return fn(node, strategy, ctx, grad) if fn else None

@@ -9,9 +9,11 @@ this file is the only one that touches it (torch is pinned to one minor release)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
+import torch.distributed.tensor._ops.utils as _dtensor_op_utils
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._api import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -44,6 +46,11 @@ def dtensor_strategies(
     """
     if not has_rule(node.target):
         return None
+    with _unpriced():
+        return _strategies_of(node, mesh, candidates)
+
+
+def _strategies_of(node: Node, mesh: MeshSpec, candidates: dict[Node, Sequence[Placements]]):
     pairs = _ask(node, mesh, candidates)
     if pairs is not None:
         return pairs
@@ -55,6 +62,17 @@ def dtensor_strategies(
     for c in candidates[multi]:
         found += _ask(node, mesh, {**candidates, multi: [c]}) or []
     return found or None
+
+
+@contextlib.contextmanager
+def _unpriced():
+    """DTensor prices each strategy's redistributions as it lists them; autojigsaw prices its own."""
+    price = _dtensor_op_utils.redistribute_cost
+    _dtensor_op_utils.redistribute_cost = lambda current, target: 0.0
+    try:
+        yield
+    finally:
+        _dtensor_op_utils.redistribute_cost = price
 
 
 def _ask(node: Node, mesh: MeshSpec, candidates: dict[Node, Sequence[Placements]]):

@@ -72,40 +72,85 @@ def layout_candidates(shape: Sequence[int], mesh: MeshSpec) -> list[Placements]:
     return [tuple(c) for c in itertools.product(*per_axis)]
 
 
-def _candidates(node: Node, index: int) -> list[Placements]:
+def _candidates(node: Node, index: int, cache: dict | None = None) -> list[Placements]:
+    strategies = node.meta[STRATEGIES]
+    key = ("candidates", id(strategies), index)
+    if cache is not None and key in cache:
+        return cache[key]
     seen: dict[Placements, None] = {}
-    for s in node.meta[STRATEGIES]:
+    for s in strategies:
         if s.outputs[index] is not None:
             seen.setdefault(s.outputs[index])
-    return list(seen)
+    found = list(seen)
+    if cache is not None:
+        cache[key] = found
+        cache[("keep", id(strategies))] = strategies  # the id stays unique while cached
+    return found
+
+
+def _signature(node: Node, candidates: list[list[Placements]]) -> tuple:
+    """What a node's strategies depend on: op, literal args, shapes and input candidates."""
+    def one(a):
+        if isinstance(a, Node):
+            v = a.meta.get("val")
+            return (tuple(v.shape), v.dtype, tuple(v.stride())) if isinstance(v, torch.Tensor) else repr(v)
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
+
+    leaves = tuple(one(a) for a in pytree.tree_leaves((node.args, node.kwargs)))
+    outs = tuple((tuple(v.shape), v.dtype) if v is not None else None for v in output_values(node))
+    return (node.target, str(pytree.tree_structure((node.args, node.kwargs))), leaves, outs,
+            tuple(id(c) for c in candidates))
 
 
 def node_strategies(node: Node, mesh: MeshSpec, fixed: dict[str, Placements] | None = None,
-                    outputs: Sequence[Placements] | None = None) -> list[Strategy]:
+                    outputs: Sequence[Placements] | None = None, cache: dict | None = None) -> list[Strategy]:
     """All strategies for one node, given that its producers were annotated before it.
 
     `fixed` pins placeholders to one placement; `outputs` are the placements the graph's
     outputs must be returned in (default: replicated, the whole tensor on every rank).
+    `cache` (one per graph and mesh) shares the list between nodes whose strategies depend on
+    equal things -- the nodes of repeated layers -- so each is worked out once.
     """
     if node.op == "placeholder":
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return [Strategy((), (None,))]
         if fixed and node.name in fixed:
-            return [Strategy((), (fixed[node.name],))]
-        return [Strategy((), (p,)) for p in layout_candidates(val.shape, mesh)]
+            pin = fixed[node.name]
+            if None not in pin:
+                return [Strategy((), (pin,))]
+            # None leaves an axis to the planner (a data axis pins only its own: runtime/data_parallel.py)
+            return [Strategy((), (p,)) for p in layout_candidates(val.shape, mesh)
+                    if all(want is None or want == got for want, got in zip(pin, p))]
+        key = ("placeholder", tuple(val.shape), val.dtype)
+        if cache is None or key not in cache:
+            found = [Strategy((), (p,)) for p in layout_candidates(val.shape, mesh)]
+            if cache is None:
+                return found
+            cache[key] = found
+        return cache[key]
     if node.op == "output":
         n_out = len(tensor_inputs(node))
         wanted = tuple(outputs) if outputs is not None else (replicated(mesh.ndim),) * n_out
         return [Strategy(wanted, ())]
     inputs = tensor_inputs(node)
+    candidates = [_candidates(src, i, cache) for src, i in inputs]
+    if cache is None:
+        return _strategies(node, mesh, inputs, candidates)
+    key = _signature(node, candidates)
+    if key not in cache:
+        found = _strategies(node, mesh, inputs, candidates)
+        # Equal lists become one object, so the readers of repeated layers hit the cache too.
+        cache[key] = cache.setdefault(("list", tuple(found)), found)
+    return cache[key]
+
+
+def _strategies(node: Node, mesh: MeshSpec, inputs, candidates) -> list[Strategy]:
     if node.target is operator.getitem:
-        src, i = inputs[0]
-        return [Strategy((p,), (p,)) for p in _candidates(src, i)]
+        return [Strategy((p,), (p,)) for p in candidates[0]]
     n_out = len(output_values(node))
     if not inputs:  # a factory (arange, zeros, ...): made whole on every rank
         return [Strategy((), (replicated(mesh.ndim),) * n_out, note="factory")]
-    candidates = [_candidates(src, i) for src, i in inputs]
     found = rules.strategies_for(node, mesh, candidates)
     if found is None:
         pairs = dtensor_strategies(node, mesh, {src: c for (src, _), c in zip(inputs, candidates)})
@@ -138,5 +183,6 @@ def _partials_offered(inputs: tuple[Placements, ...], candidates) -> bool:
 def annotate(gm: GraphModule, mesh: MeshSpec, fixed: dict[str, Placements] | None = None,
              outputs: Sequence[Placements] | None = None) -> None:
     """Write node.meta[STRATEGIES] for every node, in topological order."""
+    cache: dict = {}
     for node in gm.graph.nodes:
-        node.meta[STRATEGIES] = node_strategies(node, mesh, fixed, outputs)
+        node.meta[STRATEGIES] = node_strategies(node, mesh, fixed, outputs, cache)

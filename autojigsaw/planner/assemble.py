@@ -1,21 +1,22 @@
-"""From the solver's choice to a Plan: placements, per-node costs, exact traffic."""
+"""From the solver's choice to a Plan: placements, per-node costs (exact traffic comes later)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.fx import Node
 
 from ..capture import Captured
-from ..cost_model.compute import ATTENTION, MATMULS
-from ..mesh import MeshSpec
-from ..passes.strategies import output_values
+from ..cost_model.compute import ATTENTION, MATMULS, NORMS, SOFTMAX
+from ..cost_model.estimate import CostContext, needs_grad
+from ..cost_model.symbolic import name_sizes
+from ..passes.strategies import output_values, tensor_inputs
 from ..plan import NodeSharding, Plan
+from .explain import Explainer
+from .milp import Solution
 from .problem import Problem
 
 aten = torch.ops.aten
-_SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default}
-_NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default,
-          aten._fused_rms_norm.default, aten.group_norm.default}
 _EMBEDDING = {aten.embedding.default}
 
 
@@ -26,8 +27,8 @@ def node_kind(node: Node, captured: Captured) -> str:
     if node.op == "output":
         return "output"
     target = node.target
-    for kind, ops in (("matmul", MATMULS), ("attention", ATTENTION), ("softmax", _SOFTMAX),
-                      ("norm", _NORMS), ("embedding", _EMBEDDING)):
+    for kind, ops in (("matmul", MATMULS), ("attention", ATTENTION), ("softmax", SOFTMAX),
+                      ("norm", NORMS), ("embedding", _EMBEDDING)):
         if target in ops:
             return kind
     return "other"
@@ -40,10 +41,47 @@ def op_name(node: Node) -> str:
     return name.removesuffix(".default")
 
 
-def assemble(captured: Captured, problem: Problem, choice: list[int], mesh: MeshSpec, device: str,
-             training: bool, budget: int | None) -> Plan:
-    """A Plan with the chosen strategies and their predicted costs (traffic filled in later)."""
+def own_memory(problem: Problem, choice: np.ndarray) -> np.ndarray:
+    """Bytes each node holds under the choice: its linear memory items (storage, saves, state)."""
+    mem = problem.memory
+    out = np.zeros(len(problem.names))
+    for node, vec, _, _, scale in mem.lin:
+        out[node] += scale * mem.vectors[vec][choice[node]]
+    return out
+
+
+def fixed_solution(problem: Problem, plan: Plan) -> Solution:
+    """The costs of the strategies a plan (planned, loaded or edited) names, as if solved."""
+    choice = _choice_of(problem, plan)
+    peak, point = problem.memory.peak(choice)
+    return Solution(choice, problem.objective(choice), peak, point, (), 0, 0.0)
+
+
+def _choice_of(problem: Problem, plan: Plan) -> np.ndarray:
+    by_name = {n.name: n for n in plan.nodes}
+    choice = []
+    for name, strategies in zip(problem.names, problem.strategies):
+        n = by_name.get(name)
+        if n is None:
+            raise ValueError(f"the plan has no entry for node {name!r}: it was made for another model")
+        t = next((t for t, s in enumerate(strategies)
+                  if s.inputs == n.inputs and s.outputs == n.outputs and s.kernel == n.kernel), None)
+        if t is None:
+            raise ValueError(f"node {name!r}: the plan runs it as {n.kernel} with inputs {n.inputs} and outputs "
+                             f"{n.outputs}, which no sharding rule offers on this mesh; plan it again")
+        choice.append(t)
+    return np.array(choice, dtype=np.int64)
+
+
+def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: CostContext, budget: int | None) -> Plan:
+    """A Plan with the chosen strategies, their predicted costs (traffic filled in later) and
+    an explainer (Plan.explain) holding the planner's data."""
     nodes = {n.name: n for n in captured.gm.graph.nodes}
+    choice = solution.choice
+    comm_in = np.zeros(len(problem.names))
+    for e in problem.edges:
+        comm_in[e.dst] += e.costs.time[choice[e.src], choice[e.dst]]
+    memory = own_memory(problem, choice)
     shardings = []
     for i, name in enumerate(problem.names):
         node, s = nodes[name], problem.strategies[i][choice[i]]
@@ -52,17 +90,22 @@ def assemble(captured: Captured, problem: Problem, choice: list[int], mesh: Mesh
             name=name, op=op_name(node), kind=node_kind(node, captured),
             shape=tuple(first.shape) if first is not None else (),
             inputs=s.inputs, outputs=s.outputs, kernel=s.kernel, fallback=s.fallback, note=s.note,
-            compute_s=float(problem.time[i][choice[i]]),
-            memory_bytes=int(problem.memory[i][choice[i]]),
+            compute_s=float(problem.time[i][choice[i]]), memory_bytes=int(memory[i]),
+            comm_s=float(comm_in[i]),
+            input_shapes=tuple(tuple(output_values(src)[o].shape) for src, o in tensor_inputs(node)),
         ))
     by_name = {s.name: s for s in shardings}
     out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    nodes_in_order = [nodes[name] for name in problem.names]
+    sizes = name_sizes(captured.input_values, [nodes[ph].meta["val"] for ph in captured.params], ctx.mesh)
+    grad = needs_grad(captured.gm, set(captured.params), set())
     return Plan(
-        mesh=mesh, device=device, training=training, nodes=tuple(shardings),
+        mesh=ctx.mesh, device=ctx.device.name, training=ctx.training, nodes=tuple(shardings),
         param_placements={fqn: by_name[ph].output for ph, fqn in captured.params.items()},
         input_placements=tuple(by_name[ph].output for ph in captured.inputs),
         output_placements=by_name[out_node.name].inputs,
-        memory_per_rank=int(problem.peak_memory(choice)), comm_bytes=0,
-        step_time=float(problem.objective(choice)), memory_budget=budget,
+        memory_per_rank=int(round(solution.peak_memory)), comm_bytes=0,
+        step_time=float(solution.objective), memory_budget=budget,
+        peak_at=problem.memory.describe(solution.peak_point),
+        explainer=Explainer(nodes_in_order, problem, solution, ctx, sizes, budget, grad),
     )
-

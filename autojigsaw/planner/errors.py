@@ -12,13 +12,20 @@ from .problem import Problem
 
 def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budget: int) -> ValueError:
     """No strategy choice fits the budget: say how far off, and which tensors weigh most."""
-    least = sum(float(np.min(m)) for m in problem.memory)
-    heaviest = sorted(((float(np.min(m)), name) for name, m in zip(problem.names, problem.memory)),
-                      reverse=True)[:5]
+    mem = problem.memory
+    own = [np.zeros(len(s)) for s in problem.strategies]
+    for node, vec, _, _, scale in mem.lin:
+        own[node] = own[node] + scale * mem.vectors[vec]
+    lean = np.array([int(np.argmin(o)) for o in own])
+    peak, point = mem.peak(lean)
+    heaviest = sorted(((float(o.min()), problem.names[n]) for n, o in enumerate(own)), reverse=True)[:5]
     names = {**captured.params, **captured.buffers}
     listing = ", ".join(f"{names.get(n, n)} ({_bytes(b)})" for b, n in heaviest if b > 0)
     return ValueError(
         f"no plan fits the memory budget of {_bytes(budget)} per rank on mesh {mesh.describe()}: "
-        f"the least any plan needs is {_bytes(least)} per rank. Heaviest even when sharded: "
-        f"{listing}. Use a bigger mesh, a larger memory_budget, or a smaller sample or batch."
+        f"the layout that gives every node its smallest shards needs {_bytes(peak)} per rank (peak at "
+        f"the {mem.describe(point)}). "
+        f"Largest even when sharded as far as the mesh allows (with gradients and optimizer state): "
+        f"{listing}. Relax one of: a bigger mesh (more ranks to shard over), a larger memory_budget, "
+        f"a smaller sample or batch, or training=False if no backward pass is needed."
     )

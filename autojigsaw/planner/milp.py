@@ -1,72 +1,277 @@
 """Exact solve: a mixed-integer program (HiGHS, through scipy.optimize.milp).
 
-x[n, s] = 1 picks strategy s for node n. Each edge gets continuous variables y[p, q] over
-the distinct rows p and columns q of its cost matrix, tied to x by marginal constraints
+x[g, s] = 1 picks strategy s for every node of group g (nodes of repeated layers share a
+group). The objective is predicted step time: node times plus, per pair of groups joined by
+edges, the resharding cost of the pair of choices. A pair's cost matrix gets continuous
+variables y[p, q] over its distinct rows p and columns q, tied to x by marginal constraints
 (sum_q y[p, q] = x mass of row class p, sum_p y[p, q] = mass of column class q); with
 binary x they are exact, and their LP relaxation is tight on tree-like graphs.
+
+Memory: the peak over the schedule must fit the budget. A constraint per program point
+would be thousands of dense rows, so they are added lazily: solve, evaluate the whole
+memory profile of the solution exactly, add the row of the worst point if it exceeds the
+budget, solve again. Every row is exact at its point -- a saved storage read by several
+nodes is a variable z >= each reader's bytes, a collective buffer that exists only when
+producer and consumer placements differ uses w[P] <= both sides' mass on placement P --
+so a violated point never comes back, and the loop ends at the constrained optimum.
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from ..cost_model.liveness import MaxItem, PairItem
 from .problem import Problem
 
+_SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
 
-def solve(problem: Problem, budget: float | None) -> list[int]:
-    """The strategy index per node minimizing predicted time with memory <= budget."""
-    offsets = np.cumsum([0] + [len(s) for s in problem.strategies])
-    n_x = int(offsets[-1])
-    c = [np.concatenate(problem.time)]
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
 
-    def add_row(entries, low, high):
-        nonlocal r
-        for col, v in entries:
-            rows.append(r)
-            cols.append(col)
-            vals.append(v)
-        lo.append(low)
-        hi.append(high)
-        r += 1
+@dataclass(frozen=True)
+class Solution:
+    """The chosen strategy per node, its predicted cost, and how the solve went."""
 
-    for n in range(len(problem.strategies)):
-        add_row([(offsets[n] + s, 1.0) for s in range(len(problem.strategies[n]))], 1, 1)
-    n_var = n_x
-    for e in problem.edges:
-        row_keys, row_of = np.unique(e.cost, axis=0, return_inverse=True)
-        col_keys, col_of = np.unique(e.cost.T, axis=0, return_inverse=True)
+    choice: np.ndarray
+    objective: float  # predicted seconds per step
+    peak_memory: float  # predicted peak bytes per rank
+    peak_point: int
+    cuts: tuple[int, ...]  # program points whose memory row was added
+    solves: int
+    seconds: float
+
+
+class _Model:
+    """Sparse rows, bounds and integrality of one growing MILP."""
+
+    def __init__(self, n_x: int):
+        self.n = n_x
+        self.cost: list[np.ndarray] = [np.zeros(n_x)]
+        self.upper: list[np.ndarray] = [np.ones(n_x)]
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def add_vars(self, cost: np.ndarray, upper: float = 1.0) -> int:
+        first = self.n
+        self.n += len(cost)
+        self.cost.append(np.asarray(cost, dtype=float))
+        self.upper.append(np.full(len(cost), upper))
+        return first
+
+    def add_rows(self, rows, cols, vals, lo, hi) -> None:
+        base = len(self.lo)
+        self.rows.append(np.asarray(rows, dtype=np.int64) + base)
+        self.cols.append(np.asarray(cols, dtype=np.int64))
+        self.vals.append(np.asarray(vals, dtype=float))
+        self.lo.extend(np.broadcast_to(lo, (int(np.max(rows)) + 1 if len(rows) else 0,)))
+        self.hi.extend(np.broadcast_to(hi, (int(np.max(rows)) + 1 if len(rows) else 0,)))
+
+    def solve(self, n_int: int, time_limit: float) -> np.ndarray | None:
+        """The optimum, from the LP relaxation when that is integral (it usually is), else by branching."""
+        cost = np.concatenate(self.cost)
+        matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
+                            shape=(len(self.lo), self.n)).tocsr()
+        args = dict(c=cost, constraints=LinearConstraint(matrix, self.lo, self.hi),
+                    bounds=Bounds(0, np.concatenate(self.upper)))
+        relaxed = milp(**args, options={"time_limit": time_limit})
+        if relaxed.x is None:
+            return None  # infeasible even fractionally
+        if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
+            return relaxed.x
+        integrality = np.concatenate([np.ones(n_int), np.zeros(self.n - n_int)])
+        # HiGHS presolve restarts cost more than they save on these (already small) programs
+        exact = milp(**args, integrality=integrality,
+                     options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "presolve": False})
+        return exact.x
+
+
+class _Builder:
+    """The MILP of a Problem: x per group, y per edge block, memory rows on demand."""
+
+    def __init__(self, problem: Problem, budget: float | None):
+        self.p = problem
+        self.budget = budget
+        reps = np.unique(problem.group, return_index=True)[1]
+        self.rep = reps  # the first node of every group
+        self.sizes = np.array([len(problem.strategies[r]) for r in reps])
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
+        self.model = _Model(int(self.offsets[-1]))
+        self.z: dict[int, int] = {}
+        self.w: dict[tuple, tuple[int, np.ndarray]] = {}
+        self._assignment()
+        self._objective()
+
+    def x(self, node: int) -> int:
+        return int(self.offsets[self.p.group[node]])
+
+    def _assignment(self) -> None:
+        g = np.repeat(np.arange(len(self.sizes)), self.sizes)
+        self.model.add_rows(g, np.arange(len(g)), np.ones(len(g)), 1.0, 1.0)
+
+    def _objective(self) -> None:
+        p, cost = self.p, self.model.cost[0]
+        for n, t in enumerate(p.time):
+            cost[self.x(n):self.x(n) + len(t)] += t * _SCALE
+        pairs: dict[tuple[int, int], np.ndarray] = {}
+        for e in p.edges:
+            gs, gd = int(p.group[e.src]), int(p.group[e.dst])
+            if gs == gd:  # tied ends take the same strategy index
+                cost[self.x(e.src):self.x(e.src) + self.sizes[gs]] += np.diag(e.costs.time) * _SCALE
+            elif (gs, gd) in pairs:
+                pairs[(gs, gd)] = pairs[(gs, gd)] + e.costs.time
+            else:
+                pairs[(gs, gd)] = e.costs.time
+        for (gs, gd), matrix in pairs.items():
+            self._pair(gs, gd, matrix * _SCALE)
+
+    def _pair(self, gs: int, gd: int, matrix: np.ndarray) -> None:
+        cost, xs, xd = self.model.cost[0], self.offsets[gs], self.offsets[gd]
+        row_keys, row_of = np.unique(matrix, axis=0, return_inverse=True)
+        col_keys, col_of = np.unique(matrix.T, axis=0, return_inverse=True)
         row_of, col_of = row_of.ravel(), col_of.ravel()
         if len(col_keys) == 1:  # the cost depends on the producer's choice only
-            c[0][offsets[e.src]:offsets[e.src + 1]] += e.cost[:, 0]
-            continue
+            cost[xs:xs + len(row_of)] += matrix[:, 0]
+            return
         if len(row_keys) == 1:  # ... or on the consumer's only
-            c[0][offsets[e.dst]:offsets[e.dst + 1]] += e.cost[0, :]
-            continue
-        block = row_keys[:, [np.flatnonzero(col_of == q)[0] for q in range(len(col_keys))]]
+            cost[xd:xd + len(col_of)] += matrix[0, :]
+            return
+        first_col = np.array([np.flatnonzero(col_of == q)[0] for q in range(len(col_keys))])
+        block = row_keys[:, first_col]
         n_p, n_q = block.shape
-        y0 = n_var
-        n_var += n_p * n_q
-        c.append(block.ravel())
-        for p in range(n_p):
-            entries = [(y0 + p * n_q + q, 1.0) for q in range(n_q)]
-            entries += [(offsets[e.src] + s, -1.0) for s in np.flatnonzero(row_of == p)]
-            add_row(entries, 0, 0)
-        for q in range(n_q):
-            entries = [(y0 + p * n_q + q, 1.0) for p in range(n_p)]
-            entries += [(offsets[e.dst] + t, -1.0) for t in np.flatnonzero(col_of == q)]
-            add_row(entries, 0, 0)
+        y0 = self.model.add_vars(block.ravel())
+        y = y0 + np.arange(n_p * n_q)
+        # sum_q y[p, q] - sum_{s in class p} x[s] = 0, then the same over columns
+        rows = np.concatenate([np.repeat(np.arange(n_p), n_q), row_of,
+                               n_p + np.tile(np.arange(n_q), n_p), n_p + col_of])
+        cols = np.concatenate([y, xs + np.arange(len(row_of)), y, xd + np.arange(len(col_of))])
+        vals = np.concatenate([np.ones(n_p * n_q), -np.ones(len(row_of)), np.ones(n_p * n_q),
+                               -np.ones(len(col_of))])
+        self.model.add_rows(rows, cols, vals, 0.0, 0.0)
+
+    # ------------------------------------------------------------ memory rows
+
+    def add_memory_row(self, point: int) -> None:
+        """Bytes live at `point` <= budget, exactly, as one linear row (scaled by the budget)."""
+        mem, p = self.p.memory, self.p
+        coef = np.zeros(int(self.offsets[-1]))
+        extra_cols, extra_vals = [], []
+        for node, vec, start, end, scale in mem.lin:
+            if start <= point <= end:
+                x = self.x(node)
+                coef[x:x + self.sizes[p.group[node]]] += scale * mem.vectors[vec]
+        for k, item in enumerate(mem.maxes):
+            if item.start <= point <= item.end:
+                extra_cols.append(self._z(k, item))
+                extra_vals.append(self.budget)  # z is in budgets; the row is divided by the budget below
+        for item in mem.pairs:
+            if item.start <= point <= item.end:
+                cols, vals = self._pair_bytes(item, coef)
+                extra_cols += cols
+                extra_vals += vals
+        nz = np.flatnonzero(coef)
+        cols = np.concatenate([nz, np.array(extra_cols, dtype=np.int64)])
+        vals = np.concatenate([coef[nz], np.array(extra_vals, dtype=float)]) / self.budget
+        self.model.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, -np.inf, 1.0)
+
+    def _z(self, k: int, item: MaxItem) -> int:
+        """A variable >= each member's bytes (in budgets, as every memory row): the storage
+        several readers save, counted once."""
+        if k not in self.z:
+            z = self.model.add_vars(np.zeros(1), upper=np.inf)
+            members = {(int(self.p.group[n]), v, s) for n, v, s in item.members}
+            for g, v, s in sorted(members):
+                x = self.offsets[g] + np.arange(self.sizes[g])
+                self.model.add_rows(np.zeros(len(x) + 1, dtype=np.int64), np.concatenate([[z], x]),
+                                    np.concatenate([[1.0], -s * self.p.memory.vectors[v] / self.budget]), 0.0, np.inf)
+            self.z[k] = z
+        return self.z[k]
+
+    def _pair_bytes(self, item: PairItem, coef: np.ndarray) -> tuple[list, list]:
+        """Add a collective buffer's bytes: both ends' share, minus it where nothing moves."""
+        mem, p = self.p.memory, self.p
+        src_ids, dst_ids = mem.vectors[item.src_ids], mem.vectors[item.dst_ids]
+        src_b, dst_b = mem.vectors[item.src_bytes], mem.vectors[item.dst_bytes]
+        gs, gd = int(p.group[item.src]), int(p.group[item.dst])
+        xs, xd = self.x(item.src), self.x(item.dst)
+        if gs == gd:  # one variable for both ends: moved exactly where the two ids differ
+            coef[xd:xd + len(dst_b)] += (src_b + dst_b) * (src_ids != dst_ids)
+            return [], []
+        coef[xs:xs + len(src_b)] += src_b
+        coef[xd:xd + len(dst_b)] += dst_b
+        w0, common = self._w(gs, gd, item)
+        vals = [-float(src_b[np.flatnonzero(src_ids == pid)[0]] + dst_b[np.flatnonzero(dst_ids == pid)[0]])
+                for pid in common]
+        return list(range(w0, w0 + len(common))), vals
+
+    def _w(self, gs: int, gd: int, item: PairItem) -> tuple[int, np.ndarray]:
+        """w[P] <= mass of both ends on placement P: equals 1 exactly when nothing moves."""
+        key = (gs, gd, item.src_ids, item.dst_ids)
+        if key not in self.w:
+            mem = self.p.memory
+            src_ids, dst_ids = mem.vectors[item.src_ids], mem.vectors[item.dst_ids]
+            common = np.intersect1d(src_ids, dst_ids)
+            w0 = self.model.add_vars(np.zeros(len(common)))
+            rows, cols, vals = [], [], []
+            for k, pid in enumerate(common):
+                for side, (g, ids) in enumerate(((gs, src_ids), (gd, dst_ids))):
+                    members = self.offsets[g] + np.flatnonzero(ids == pid)
+                    r = 2 * k + side
+                    rows += [r] * (len(members) + 1)
+                    cols += [w0 + k] + list(members)
+                    vals += [1.0] + [-1.0] * len(members)
+            if rows:
+                self.model.add_rows(rows, cols, vals, -np.inf, 0.0)
+            self.w[key] = (w0, common)
+        return self.w[key]
+
+    def run(self, time_limit: float):
+        return self.model.solve(int(self.offsets[-1]), time_limit)
+
+    def group_choice(self, x: np.ndarray) -> np.ndarray:
+        return np.array([int(np.argmax(x[self.offsets[g]:self.offsets[g + 1]])) for g in range(len(self.sizes))])
+
+
+def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) -> Solution | None:
+    """The strategy per node minimizing predicted step time with peak memory <= budget; None if none fits."""
+    start = time.perf_counter()
+    builder = _Builder(problem, budget)
+    cuts: list[int] = []
     if budget is not None:
-        add_row([(i, m) for i, m in enumerate(np.concatenate(problem.memory))], -np.inf, budget)
-    objective = np.concatenate(c)
-    matrix = coo_matrix((vals, (rows, cols)), shape=(r, n_var)).tocsr()
-    integrality = np.concatenate([np.ones(n_x), np.zeros(n_var - n_x)])
-    result = milp(objective, constraints=LinearConstraint(matrix, lo, hi),
-                  integrality=integrality, bounds=Bounds(0, 1))
-    if result.status != 0 or result.x is None:
-        return []
-    x = result.x[:n_x]
-    return [int(np.argmax(x[offsets[n]:offsets[n + 1]])) for n in range(len(problem.strategies))]
+        for point in _seed_points(problem):
+            builder.add_memory_row(point)
+            cuts.append(point)
+    solves = 0
+    while True:
+        x = builder.run(max(time_limit - (time.perf_counter() - start), 1.0))
+        solves += 1
+        if x is None:
+            return None
+        choice = problem.expand(builder.group_choice(x))
+        peak, point = problem.memory.peak(choice)
+        if budget is None or peak <= budget * (1 + 1e-6):  # HiGHS' feasibility tolerance
+            return Solution(choice, problem.objective(choice), peak, point, tuple(cuts), solves,
+                            time.perf_counter() - start)
+        assert point not in cuts, f"the memory row of point {point} is not exact"
+        builder.add_memory_row(point)
+        cuts.append(point)
+
+
+def _seed_points(problem: Problem) -> list[int]:
+    """Where the peak usually is: the worst point of the leanest choice, end of forward, the step."""
+    mem = problem.memory
+    own = [np.zeros(len(s)) for s in problem.strategies]
+    for node, vec, start, end, scale in mem.lin:
+        own[node] = own[node] + scale * mem.vectors[vec]
+    reps = np.unique(problem.group, return_index=True)[1]
+    lean = problem.expand(np.array([int(np.argmin(own[r])) for r in reps]))
+    points = {mem.peak(lean)[1]}
+    if mem.training:
+        n = len(problem.names)
+        points |= {n, 2 * n}
+    return sorted(points)

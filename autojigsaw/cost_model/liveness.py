@@ -1,0 +1,320 @@
+"""Peak memory per rank over one step's schedule: what is live at every program point.
+
+The schedule runs the forward nodes in graph order, then (training) their backward in
+reverse, then the optimizer step: point i is node i's forward, 2N-1-i its backward, 2N the
+step. Every tensor is an item live over an interval of points, whose bytes depend on the
+strategy of one node (linear items), the largest of several (max items: one storage saved
+by several readers), or a producer/consumer pair (pair items: a buffer that exists only
+when a redistribution moves the value). The peak is the max over points, not a sum.
+
+Items: parameters and optimizer state (whole step); gradients of parameters (from their
+first backward use to the step); activations from their producer to their last reader (views
+extend the storage they alias), then, when a reader saves them for backward, until that
+reader's backward (the largest of the readers' copies); extra saved tensors (statistics,
+masks); gradients of activations during backward; collective buffers: a moved copy of an
+input and the collective's working copies (kernels/collectives.py gathers from a contiguous
+copy of its input into a buffer it then copies into place; an all-reduce of a partial value
+needs none), forward and, for the gradient, backward.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Shard
+from torch.fx import Node
+
+from ..passes.strategies import Strategy, output_values, tensor_inputs
+from ..placements import local_shape
+from .memory import Optimizer, Saved, is_view, saved_for_backward
+
+
+_LOSS_COPIES = 2.0  # tensors of output size a loss's backward makes besides the gradient (x.square().sum(): 2)
+
+
+class LinearItem(NamedTuple):
+    """`scale` x vectors[vec][strategy of node] bytes, live from point `start` to `end`."""
+
+    node: int
+    vec: int
+    start: int
+    end: int
+    scale: float
+
+
+class Member(NamedTuple):
+    """One reader's copy in a MaxItem: `scale` x vectors[vec][strategy of node] bytes."""
+
+    node: int
+    vec: int
+    scale: float
+
+
+@dataclass(frozen=True)
+class MaxItem:
+    """Bytes of one storage saved by several readers: the largest of their views of it."""
+
+    members: tuple[Member, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class PairItem:
+    """Buffers that exist when the consumer reads a value in another placement than made:
+    src_bytes[producer strategy] + dst_bytes[consumer strategy], nothing where they agree."""
+
+    src: int  # producer node
+    dst: int  # consumer node
+    src_ids: int  # vector id: placement id of the value per producer strategy
+    dst_ids: int  # vector id: placement id of the input per consumer strategy
+    src_bytes: int  # vector id: bytes per producer strategy
+    dst_bytes: int  # vector id: bytes per consumer strategy
+    start: int
+    end: int
+
+
+@dataclass
+class MemoryModel:
+    """Every tensor of one step as an interval of program points; `profile` sums them."""
+
+    names: list[str]
+    training: bool
+    vectors: list[np.ndarray] = field(default_factory=list)
+    lin: list[LinearItem] = field(default_factory=list)
+    maxes: list[MaxItem] = field(default_factory=list)
+    pairs: list[PairItem] = field(default_factory=list)
+    _ids: dict[int, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def n_points(self) -> int:
+        n = len(self.names)
+        return 2 * n + 1 if self.training else n
+
+    def vector(self, v: np.ndarray) -> int:
+        """The id of a vector (vectors shared by tied nodes are stored once)."""
+        key = id(v)
+        if key not in self._ids:
+            self._ids[key] = len(self.vectors)
+            self.vectors.append(v)
+        return self._ids[key]
+
+    def describe(self, point: int) -> str:
+        n = len(self.names)
+        if point < n:
+            return f"forward of {self.names[point]}"
+        if point < 2 * n:
+            return f"backward of {self.names[2 * n - 1 - point]}"
+        return "optimizer step"
+
+    def profile(self, choice: np.ndarray) -> np.ndarray:
+        """Bytes live at every program point for one strategy index per node."""
+        diff = np.zeros(self.n_points + 1)
+        if self.lin:
+            node, vec, start, end, scale = (np.array(c) for c in zip(*self.lin))
+            bytes_ = np.array([self.vectors[v][choice[i]] for v, i in zip(vec, node)]) * scale
+            np.add.at(diff, start, bytes_)
+            np.add.at(diff, end + 1, -bytes_)
+        for m in self.maxes:
+            b = max(self.vectors[v][choice[i]] * s for i, v, s in m.members)
+            diff[m.start] += b
+            diff[m.end + 1] -= b
+        for p in self.pairs:
+            b = self.pair_bytes(p, choice[p.src], choice[p.dst])
+            diff[p.start] += b
+            diff[p.end + 1] -= b
+        return np.cumsum(diff)[:-1]
+
+    def pair_bytes(self, p: PairItem, s: int, t: int) -> float:
+        if self.vectors[p.src_ids][s] == self.vectors[p.dst_ids][t]:
+            return 0.0
+        return float(self.vectors[p.src_bytes][s] + self.vectors[p.dst_bytes][t])
+
+    def peak(self, choice: np.ndarray) -> tuple[float, int]:
+        """(peak bytes, the point where it happens)."""
+        prof = self.profile(choice)
+        point = int(np.argmax(prof))
+        return float(prof[point]), point
+
+
+# ---------------------------------------------------------------- building the items
+
+
+@lru_cache(maxsize=None)
+def _bytes_of(shape: tuple[int, ...], itemsize: int, placements: tuple, sizes: tuple[int, ...]) -> np.ndarray:
+    coord = (0,) * len(sizes)
+    return np.array([math.prod(local_shape(shape, p, sizes, coord)) * itemsize if p is not None else 0
+                     for p in placements], dtype=float)
+
+
+@lru_cache(maxsize=None)
+def _working_of(shape: tuple[int, ...], itemsize: int, placements: tuple, sizes: tuple[int, ...]) -> np.ndarray:
+    """Working bytes of a collective that moves a value from each placement: a sharded value is
+    copied once and gathered once (1 + n shards); a partial one is reduced in its own buffer."""
+    local = _bytes_of(shape, itemsize, placements, sizes)
+    shards = np.array([math.prod(n for p, n in zip(pl, sizes) if isinstance(p, Shard)) if pl is not None else 1
+                       for pl in placements])
+    return np.where(shards > 1, local * (1 + shards), 0.0)
+
+
+@lru_cache(maxsize=None)
+def _zeros(n: int) -> np.ndarray:
+    return np.zeros(n)
+
+
+_PLACEMENT_IDS: dict = {}
+
+
+@lru_cache(maxsize=None)
+def _ids_of(placements: tuple) -> np.ndarray:
+    """Placement ids per strategy: equal ids exactly for equal placements."""
+    return np.array([_PLACEMENT_IDS.setdefault(p, len(_PLACEMENT_IDS)) for p in placements], dtype=np.int64)
+
+
+class _Vectors:
+    """Bytes of a node's outputs or inputs per strategy, each (shape, placements) pattern once."""
+
+    def __init__(self, sizes: tuple[int, ...]):
+        self.sizes = sizes
+
+    def out_bytes(self, node: Node, strategies: list[Strategy]) -> np.ndarray:
+        vals = output_values(node)
+        total = np.zeros(len(strategies))
+        for o, v in enumerate(vals):
+            if v is not None:
+                total = total + _bytes_of(tuple(v.shape), v.dtype.itemsize,
+                                          tuple(s.outputs[o] for s in strategies), self.sizes)
+        return total
+
+    def in_bytes(self, val: torch.Tensor, strategies: list[Strategy], j: int) -> np.ndarray:
+        """Bytes of `val` as input j of each strategy."""
+        placements = tuple(s.inputs[j] for s in strategies)
+        return _bytes_of(tuple(val.shape), val.dtype.itemsize, placements, self.sizes)
+
+    def working(self, val: torch.Tensor, strategies: list[Strategy], *, output: int | None = None,
+                input: int | None = None) -> np.ndarray:
+        """Working bytes of moving `val` away from each strategy's output (or input) placement."""
+        placements = tuple(s.outputs[output] if output is not None else s.inputs[input] for s in strategies)
+        return _working_of(tuple(val.shape), val.dtype.itemsize, placements, self.sizes)
+
+
+def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
+                 training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
+                 kernel_saved: dict[int, np.ndarray] | None = None) -> MemoryModel:
+    """The items of one step. `persistent`: parameter and buffer placeholders (live always);
+    `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default).
+    """
+    model = MemoryModel([n.name for n in nodes], training)
+    n = len(nodes)
+    end = model.n_points - 1
+    index = {node: i for i, node in enumerate(nodes)}
+    vec = _Vectors(sizes)
+    out_bytes = [vec.out_bytes(node, strategies[i]) for i, node in enumerate(nodes)]
+    kernel_saved = kernel_saved or {}
+
+    def fwd(i: int) -> int:
+        return i
+
+    def bwd(i: int) -> int:
+        return 2 * n - 1 - i if training else i
+
+    # Storage roots: a view lives in the storage of what it views.
+    root = list(range(n))
+    for i, node in enumerate(nodes):
+        if is_view(node) and node.target is not operator.getitem and tensor_inputs(node):
+            root[i] = root[index[tensor_inputs(node)[0][0]]]
+    numel = [sum(math.prod(v.shape) for v in output_values(node) if v is not None) for node in nodes]
+
+    last_read = {r: fwd(r) for r in range(n)}
+    last_grad_read: dict[int, int] = {}
+    for k, node in enumerate(nodes):
+        for src, _ in tensor_inputs(node):
+            r = root[index[src]]
+            last_read[r] = max(last_read[r], fwd(k))
+            if grad.get(src.name, False) and (node.op == "output" or grad.get(node.name, False)):
+                last_grad_read[r] = max(last_grad_read.get(r, -1), bwd(k))
+
+    savers: dict[int, list[Member]] = {}
+    for k, node in enumerate(nodes):
+        saved = _saved(node, training and grad.get(node.name, False))
+        is_output = node.op == "output"
+        for j, (src, o) in enumerate(tensor_inputs(node)):
+            i = index[src]
+            r = root[i]
+            val = output_values(src)[o]
+            in_b = vec.in_bytes(val, strategies[k], j)
+            keeps = j in saved.inputs or is_output
+            if keeps and nodes[r].name not in persistent:
+                # kernels that price themselves say what they save (kernel_saved), instead of this
+                kept = np.where(np.isnan(kernel_saved[k]), in_b, 0.0) if k in kernel_saved else in_b
+                savers.setdefault(r, []).append(Member(k, model.vector(kept), numel[r] / max(math.prod(val.shape), 1)))
+            if is_output and training:  # the loss: the output's gradient and a working copy
+                model.lin.append(LinearItem(k, model.vector(in_b), bwd(k), bwd(k), _LOSS_COPIES))
+            if is_output or (node.op == "call_function" and is_view(node)):
+                continue
+            ids = (model.vector(_ids_of(tuple(s.outputs[o] for s in strategies[i]))),
+                   model.vector(_ids_of(tuple(s.inputs[j] for s in strategies[k]))))
+            none_src = model.vector(_zeros(len(strategies[i])))
+            moved = partial(PairItem, i, k, *ids)
+            # forward: the moved copy and the collective's working copies; the copy lives on while
+            # the value is read (a saved copy then lives in the saved item)
+            model.pairs.append(moved(model.vector(vec.working(val, strategies[i], output=o)), model.vector(in_b),
+                                     fwd(k), fwd(k)))
+            persists = keeps and nodes[r].name not in persistent
+            if persists and last_read[r] > fwd(k):
+                model.pairs.append(moved(none_src, model.vector(in_b), fwd(k) + 1, last_read[r]))
+            elif keeps:  # a gathered parameter, saved for backward
+                model.pairs.append(moved(none_src, model.vector(in_b), fwd(k) + 1, bwd(k)))
+            if training and grad.get(node.name, False) and grad.get(src.name, False):
+                # backward: the input's gradient in this placement and the working copies moving it back
+                back = in_b + vec.working(val, strategies[k], input=j)
+                model.pairs.append(moved(none_src, model.vector(back), bwd(k), bwd(k)))
+        if saved.outputs:
+            savers.setdefault(root[k], []).append(Member(k, model.vector(out_bytes[k]), 1.0))
+        extra = saved.extra * out_bytes[k] if saved.extra else None
+        if k in kernel_saved:
+            hooked = kernel_saved[k]
+            extra = np.where(np.isnan(hooked), extra if extra is not None else 0.0, hooked)
+        if extra is not None and np.any(extra):
+            model.lin.append(LinearItem(k, model.vector(extra), fwd(k), bwd(k), 1.0))
+
+    for i, node in enumerate(nodes):
+        if node.op == "output" or root[i] != i:
+            continue
+        v = model.vector(out_bytes[i])
+        if node.name in persistent:
+            model.lin.append(LinearItem(i, v, 0, end, 1.0))
+            if training and grad.get(node.name, False):
+                model.lin.append(LinearItem(i, v, 0, end, float(optimizer.states)))
+                if i in last_grad_read:
+                    model.lin.append(LinearItem(i, v, last_grad_read[i], end, 1.0))
+            continue
+        model.lin.append(LinearItem(i, v, fwd(i), last_read[i], 1.0))
+        saved_by = savers.get(i, [])
+        if saved_by:
+            first = min(k for k, _, _ in saved_by)
+            if len(saved_by) == 1:
+                k, sv, scale = saved_by[0]
+                model.lin.append(LinearItem(k, sv, last_read[i] + 1, bwd(first), scale))
+            else:
+                model.maxes.append(MaxItem(tuple(saved_by), last_read[i] + 1, bwd(first)))
+        if training and grad.get(node.name, False) and i in last_grad_read:
+            model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(i), 1.0))
+    if training and optimizer.temporaries:
+        members = tuple(Member(i, model.vector(out_bytes[i]), float(optimizer.temporaries))
+                        for i, node in enumerate(nodes) if node.name in persistent and grad.get(node.name, False))
+        if members:  # one parameter at a time: the largest
+            model.maxes.append(MaxItem(members, end, end))
+    return model
+
+
+def _saved(node: Node, backward: bool) -> Saved:
+    if not backward or node.op != "call_function":
+        return Saved()
+    return saved_for_backward(node)

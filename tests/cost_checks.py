@@ -1,0 +1,79 @@
+"""Predicted against measured, on every rank: the bytes one training step sends, and its peak memory.
+
+`measure_step` (run it on every rank of a pool) parallelizes a model, takes one Adam step to
+create the optimizer state, then counts one more step: every collective the kernels record
+(count_comm, the bytes by cost_model.comm.bytes_sent) and every live tensor (torch's
+MemTracker: parameters, gradients, optimizer state, activations, temporaries). Test modules
+call it with their own model builders: `builder` must be a module-level function returning
+(model, example inputs), so that it pickles to the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+import autojigsaw
+from autojigsaw import Plan
+from autojigsaw.kernels.collectives import count_comm
+from autojigsaw.local_ranks import get_mesh
+
+from .models import build
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One rank's step: predicted and sent bytes, predicted and measured peak bytes."""
+
+    predicted_bytes: int
+    sent_bytes: int
+    predicted_peak: int
+    peak: int
+    plan: str  # JSON
+
+    @property
+    def memory_error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted_peak - self.peak) / self.peak
+
+
+def small_model(name: str, shape: tuple, dtype: torch.dtype = torch.float32, **kwargs):
+    """(model, inputs) of tests/models.py's `name` with a seeded input of `shape`."""
+    model = build(name, dtype, **kwargs)
+    torch.manual_seed(1)
+    return model, (torch.randn(shape, dtype=dtype),)
+
+
+def _loss(out) -> torch.Tensor:
+    return sum(t.square().sum() for t in pytree.tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def measure_step(builder: Callable, args: tuple, mesh_shape: tuple, axes: tuple, *, budget: int | None = None,
+                 plan: str | None = None, device="cpu") -> StepMeasurement:
+    """Plan (or apply `plan`), warm up one step, then count bytes and memory of the next."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, inputs = builder(*args)
+    mesh = get_mesh(mesh_shape, axes)
+    pmodel = autojigsaw.parallelize(model, mesh, inputs, compile=False, memory_budget=budget, device=device,
+                                    plan=Plan.from_json(plan) if plan else None)
+    opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
+
+    def step():
+        _loss(pmodel(*inputs)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(pmodel, opt)
+    with count_comm() as log, tracker:
+        step()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    total = next(v for k, v in peak.items() if str(getattr(k, "value", k)) == "Total")
+    return StepMeasurement(pmodel.plan.comm_bytes, log.total_bytes, pmodel.plan.memory_per_rank, int(total),
+                           pmodel.plan.to_json())

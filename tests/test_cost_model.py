@@ -1,0 +1,101 @@
+"""The cost model against the live backend (bytes exact, memory within 15 %) and on its own terms."""
+
+import math
+
+import numpy as np
+import pytest
+import sympy
+import torch
+
+import autojigsaw
+from autojigsaw.cost_model.comm import RING, TREE_ALL_REDUCE, bytes_sent, collective_time
+from autojigsaw.cost_model.compute import flops, op_kind
+from autojigsaw.cost_model.devices import device_spec
+from autojigsaw.cost_model.formulas import scaling
+from autojigsaw.cost_model.memory import saved_for_backward
+
+from .cost_checks import measure_step, small_model
+
+# (model, input shape, mesh, axes, budget): budgets force sharded plans that communicate
+CASES = [
+    ("mlp", (4, 32, 16), (2,), ("tensor",), 100_000),
+    ("mlp", (4, 32, 16), (4,), ("tensor",), 75_000),
+    ("mlp", (4, 32, 16), (2, 2), ("domain", "tensor"), 75_000),
+    ("stack", (4, 32, 16), (2,), ("tensor",), None),
+    ("stack", (4, 32, 16), (2,), ("tensor",), 190_000),
+    ("stack", (4, 32, 16), (4,), ("tensor",), 130_000),
+    ("stack", (4, 32, 16), (2, 2), ("domain", "tensor"), 100_000),
+]
+
+
+@pytest.mark.parametrize("name,shape,mesh,axes,budget", CASES)
+def test_predicted_bytes_and_peak_memory_match_measured(ranks2, ranks4, name, shape, mesh, axes, budget):
+    pool = ranks2 if math.prod(mesh) == 2 else ranks4
+    results = pool.run(measure_step, small_model, (name, shape), mesh, axes, budget=budget)
+    for r in results:
+        assert r.sent_bytes == r.predicted_bytes, (r.sent_bytes, r.predicted_bytes)
+        assert abs(r.memory_error) <= 0.15, (r.predicted_peak, r.peak)
+    if budget is not None:
+        assert results[0].sent_bytes > 0  # the plan communicates: the comparison means something
+
+
+def test_collective_bytes_and_ring_or_tree_time():
+    assert bytes_sent("all_gather", 100, 4) == 300 and bytes_sent("reduce_scatter", 400, 4) == 300
+    assert bytes_sent("all_reduce", 400, 4) == 600 and bytes_sent("all_to_all", 400, 4) == 300
+    ring = 2 * 7 * 1e-5 + bytes_sent("all_reduce", 10**9, 8) / 1e11
+    assert collective_time("all_reduce", 10**9, 8, 1e-5, 1e11) == pytest.approx(ring)  # big: ring
+    tree = 2 * 3 * 1e-5 + 2 * 1024 / 1e11
+    assert collective_time("all_reduce", 1024, 8, 1e-5, 1e11) == pytest.approx(tree)  # small: tree
+    assert collective_time("all_reduce", 1024, 8, 1e-5, 1e11, tree=False) == pytest.approx(
+        2 * 7 * 1e-5 + bytes_sent("all_reduce", 1024, 8) / 1e11)
+    # the compiled formula is the sympy expression
+    value = float(RING["all_gather"].subs({"B": 4096, "n": 4, "alpha": 1e-5, "beta": 1e9}))
+    assert RING["all_gather"](4096, 4, 1e-5, 1e9) == pytest.approx(value)
+    assert TREE_ALL_REDUCE(np.array([1.0, 2.0]), 4, 1e-5, 1e9).shape == (2,)
+
+
+def test_flops_per_kind_and_roofline():
+    aten = torch.ops.aten
+    assert flops(aten.linear.default, [(8, 128, 64), (256, 64)], [(8, 128, 256)]) == 2 * 8 * 128 * 256 * 64
+    q = (2, 4, 16, 8)
+    assert flops(aten.scaled_dot_product_attention.default, [q, q, q], [q]) == 2 * 8 * 16 * 16 * 16
+    assert op_kind(aten._softmax.default).name == "softmax" and op_kind(aten.layer_norm.default).name == "norm"
+    # numpy columns: every strategy at once
+    m = np.array([128.0, 64.0])
+    assert list(flops(aten.mm.default, [(m, 32), (32, 16)], [(m, 16)])) == [2 * 128 * 16 * 32, 2 * 64 * 16 * 32]
+    batch = sympy.Symbol("batch", positive=True)
+    expr = flops(aten.linear.default, [(batch, 64), (256, 64)], [(batch, 256)])
+    assert scaling(expr, {"batch"}) == "batch"
+
+
+def test_what_ops_save_for_backward():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        return torch.softmax(torch.nn.functional.gelu(x @ w), -1)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8), torch.randn(8, 8))
+    nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    aten = torch.ops.aten
+    assert saved_for_backward(nodes[aten.mm.default]).inputs == {0, 1}
+    assert saved_for_backward(nodes[aten.gelu.default]).inputs == {0}
+    assert saved_for_backward(nodes[aten._softmax.default]).outputs == {0}
+
+
+def test_explain_prints_formulas_in_model_sizes():
+    with torch.device("meta"):
+        model, inputs = small_model("mlp", (8, 512, 64), d=64, hidden=256)
+        inputs = tuple(x.to("meta") for x in inputs)
+    plan = autojigsaw.plan(model, inputs, {"domain": 2, "tensor": 2}, device="h100")
+    text = plan.explain("linear")
+    assert "matmul FLOPs" in text and "batch" in text and "seq" in text and "domain" in text
+    chosen = [line for line in text.splitlines() if line.startswith("*")]
+    assert len(chosen) == 1
+
+
+def test_devices_table_and_alias():
+    assert device_spec("cpu") is device_spec("cpu-gloo")
+    table = device_spec("h100").table()
+    assert "NVLink" in table and "InfiniBand" in table
+    spec = device_spec("h100")
+    assert spec.axis_link((8, 8), 1).name.startswith("NVLink") and spec.axis_link((8, 8), 0).name.startswith("Infini")
