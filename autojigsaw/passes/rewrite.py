@@ -21,6 +21,7 @@ from ..mesh import MeshSpec
 from ..placements import Placements, local_shape
 from ..plan import Plan
 from .dtensor_rules import local_call
+from .fuse import fuse_collectives
 from .grad_kinds import set_grad_kinds
 from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
 from .redistribute import redistribute_steps, step_sizes
@@ -73,6 +74,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
     gm = GraphModule(captured.gm, graph)
     if training:
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad))
+    fuse_collectives(gm)
     gm.recompile()
     return gm
 
@@ -107,9 +109,12 @@ def _emit(graph: Graph, env, moved, node: Node, spec, rank: RankView) -> Node:
     """The moves of the node's inputs and the local op or kernel itself."""
     inputs = tensor_inputs(node)
     if node.target is operator.getitem:
-        new = graph.call_function(operator.getitem, (env[node.args[0]], node.args[1]))
-        _annotate(new, node, spec.outputs, node.name)
-        return new
+        src, index = node.args
+        new = graph.call_function(operator.getitem, (env[src], index))
+        _annotate(new, node, (env[src].meta[PLACEMENTS][index],), node.name)
+        # The plan may read a tuple element in other placements than it was made in: move it.
+        env[node] = new
+        return _moved(env, moved, graph, node, 0, spec.outputs[0], rank, node.name)
     local_inputs = [_moved(env, moved, graph, src, i, pl, rank, node.name)
                     for (src, i), pl in zip(inputs, spec.inputs)]
     if spec.kernel == "local":

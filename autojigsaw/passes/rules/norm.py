@@ -1,31 +1,126 @@
-"""Rules for aten.layer_norm: shard any dim outside the normalized ones, or replicate.
+"""Rules for aten.layer_norm and aten.rms_norm: shard a free dim, the normalized dim, or replicate.
 
-Normalizing over a sharded dim needs statistics from every rank: that is the
-sharded_layer_norm kernel's strategy (kernels/norm.py), added with that kernel.
+A free dim (batch, tokens) shards without communication. The last normalized dim (channels)
+sharded over one mesh axis runs kernels/norm.py's sharded kernels, which all-reduce the row
+statistics so every rank gets exactly its chunk of the single-device result; weight and bias
+are then sharded like that dim. The kernels' builders, traffic and cost are registered here.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
+from torch.fx import Node
 
+from ...cost_model.comm import bytes_sent, collective_time
+from ...cost_model.compute import backward_factor, flops, roofline_time
+from ...kernels import registry
+from ...kernels.norm import sharded_layer_norm, sharded_rms_norm
+from ...kernels.softmax import _acc_dtype
+from ...placements import local_shape
+from ..meta import GLOBAL, PLACEMENTS
 from . import AxisOption, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
+_KERNELS = {aten.layer_norm.default: "sharded_layer_norm",
+            aten.rms_norm.default: "sharded_rms_norm"}
+_PARAMS = {aten.layer_norm.default: (2, 3), aten.rms_norm.default: (2,)}  # weight, bias positions
+# Row statistics all-reduced: (forward, each alone; backward, stacked into one all-reduce)
+_STATS = {"sharded_layer_norm": (2, 2), "sharded_rms_norm": (1, 1)}
 
 
-@register(aten.layer_norm.default)
-def layer_norm(node, mesh, candidates):
+@register(aten.layer_norm.default, aten.rms_norm.default)
+def norm(node, mesh, candidates):
     x = node.args[0].meta["val"]
-    free_dims = x.ndim - len(node.args[1])
+    k = len(node.args[1])
     n_params = len(candidates) - 1
+    last = Shard(x.ndim - 1)
 
     def options(n):
         opts = [AxisOption((R,) * (1 + n_params), (R,))]
         if n > 1:
-            opts += [AxisOption((Shard(d),) + (R,) * n_params, (Shard(d),))
-                     for d in range(free_dims) if x.shape[d] >= n]
+            opts += [AxisOption((Shard(d),) + (R,) * n_params, (Shard(d),), note="rows")
+                     for d in range(x.ndim - k) if x.shape[d] >= n]
+            if x.shape[-1] >= n:
+                opts.append(AxisOption((last,) + (Shard(k - 1),) * n_params, (last,),
+                                       kernel=_KERNELS[node.target],
+                                       note="normalized dim, exact statistics"))
         return opts
 
-    return per_axis(mesh, options)
+    # The kernel reduces its statistics over one axis: the normalized dim on one axis at most.
+    return [s for s in per_axis(mesh, options) if list(s.inputs[0]).count(last) <= 1]
+
+
+def _stat_axis(node: Node, strategy) -> int:
+    """The mesh axis that shards the normalized dim (the kernel all-reduces over it)."""
+    return list(strategy.inputs[0]).index(Shard(node.args[0].meta["val"].ndim - 1))
+
+
+def _call(kernel, eps_at: int):
+    """The builder of `kernel`: (x, global normalized_shape, weight[, bias][, eps]) and its axis."""
+
+    def build(node, spec, rank, local_inputs):
+        inputs = iter(local_inputs[1:])
+        args = list(node.args) + [None] * 4
+        params = [next(inputs) if isinstance(args[i], Node) else None for i in _PARAMS[node.target]]
+        eps = () if args[eps_at] is None else (args[eps_at],)  # absent: the kernel's default
+        a = _stat_axis(node, spec)
+        return (kernel, (local_inputs[0], list(node.args[1]), *params, *eps),
+                {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a], "group": rank.groups[a]})
+
+    return build
+
+
+registry.register("sharded_layer_norm")(_call(sharded_layer_norm, 4))
+registry.register("sharded_rms_norm")(_call(sharded_rms_norm, 3))
+
+
+def _stat_bytes(x_shape, normalized: int, dtype: torch.dtype) -> int:
+    """Bytes of one row statistic per row of a local x, in the kernels' accumulation dtype."""
+    return math.prod(x_shape[:len(x_shape) - normalized]) * _acc_dtype(dtype).itemsize
+
+
+def _traffic(kernel: str):
+    forward, backward_stats = _STATS[kernel]
+
+    def count(node, rank, backward):
+        x = node.args[0]
+        val = x.meta[GLOBAL]
+        shape = local_shape(val.shape, x.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)
+        nbytes, n = _stat_bytes(shape, len(node.args[1]), val.dtype), node.kwargs["n"]
+        out = [("all_reduce", bytes_sent("all_reduce", nbytes, n))] * forward
+        if x in backward:  # the backward reduces only for x's own gradient
+            out.append(("all_reduce", bytes_sent("all_reduce", backward_stats * nbytes, n)))
+        return out
+
+    return count
+
+
+registry.traffic(sharded_layer_norm)(_traffic("sharded_layer_norm"))
+registry.traffic(sharded_rms_norm)(_traffic("sharded_rms_norm"))
+
+
+@registry.cost("sharded_layer_norm")
+@registry.cost("sharded_rms_norm")
+def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
+    """The local norm as the default estimate prices it, plus the all-reduces of row statistics."""
+    x = node.args[0].meta["val"]
+    shape = local_shape(x.shape, strategy.inputs[0], ctx.mesh.sizes, ctx.coord0)
+    moved = 2 * math.prod(shape) * x.dtype.itemsize  # x in, y out
+    local = float(roofline_time(flops(node.target, [shape], [shape]), moved, x.dtype, ctx.device))
+    a = _stat_axis(node, strategy)
+    link, n = ctx.link(a), ctx.mesh.sizes[a]
+    nbytes = _stat_bytes(shape, len(node.args[1]), x.dtype)
+
+    def reduce(stats: int) -> float:
+        return float(collective_time("all_reduce", stats * nbytes, n, link.latency_s, link.bandwidth,
+                                     tree=ctx.device.tree_all_reduce))
+
+    forward, backward_stats = _STATS[strategy.kernel]
+    t = local + forward * reduce(1)
+    if ctx.training and grad:
+        t += local * backward_factor(node.target) + reduce(backward_stats)
+    return t, math.nan

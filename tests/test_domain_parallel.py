@@ -1,0 +1,171 @@
+"""Domain parallelism end to end: each sharded op alone, then the weather mixer on 1x2, 2x1, 2x2.
+
+Every case trains the parallelized model beside the single-device one (same seed and input:
+output, gradients of parameters and inputs, two Adam steps) and checks that every rank sent
+exactly the bytes the rewritten graph predicts. Sizes do not divide by the mesh axes.
+"""
+
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import autojigsaw
+from autojigsaw.passes.meta import STRATEGIES
+from autojigsaw.passes.strategies import annotate
+from autojigsaw.capture import capture
+from autojigsaw.mesh import MeshSpec
+from autojigsaw.placements import format_placements
+
+from .jigsaw_common import (WeatherMixer, assert_matches, inputs_are, outputs_are, pinned_plan,
+                            seeded, train_side_by_side)
+
+MESH = {"domain": 2, "tensor": 2}
+F64 = torch.float64
+R = Replicate()
+
+
+def _randn(*shape, dtype=F64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+def _run(pool, make, inputs, plan, dtype=F64, kernel=None):
+    results = pool.run(train_side_by_side, make, inputs, tuple(plan.mesh.sizes), plan.to_json())
+    assert_matches(results, dtype)
+    if kernel is not None:
+        assert all(kernel in r["kernels"] for r in results), (kernel, results[0]["kernels"])
+    return results
+
+
+# ---------------------------------------------------------------- conv2d: patch embeddings
+
+
+class Embed(nn.Module):
+    def __init__(self, channels=4, dim=6, patch=2):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, dim, patch, stride=patch)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+CONV_PINS = [
+    ("S(0),R", "R,S(0)", "R,S(0)"),  # batch x out channels
+    ("S(2),S(1)", "R,S(1)", "R,P(sum)"),  # latitude patches x in channels
+    ("S(2),S(2)", "R,R", "R,R"),  # latitude patches over both axes: 4 patch rows, 1 per rank
+]
+
+
+@pytest.mark.parametrize("pin", CONV_PINS, ids=["batch-out", "patches-in", "patches-2d"])
+def test_conv2d_strategies(ranks4, pin):
+    x = _randn(2, 5, 8, 6)  # 5 channels and 6 // 2 = 3 patch columns do not divide by 2
+    make = partial(seeded, Embed, F64, channels=5, dim=7)
+    plan = pinned_plan(make(), (x,), MESH, {"conv2d": inputs_are(*pin)})
+    _run(ranks4, make, (x,), plan)
+
+
+def test_conv2d_shards_only_whole_patches():
+    """3 patch columns over 2 ranks: torch.chunk splits 6 pixels 3 + 3, not on a patch boundary."""
+    captured = capture(Embed(), (torch.empty(2, 4, 8, 6),))
+    annotate(captured.gm, MeshSpec.of(MESH))
+    conv = next(n for n in captured.gm.graph.nodes if n.name == "conv2d")
+    x_layouts = {format_placements(s.inputs[0]) for s in conv.meta[STRATEGIES]}
+    assert "S(2),R" in x_layouts and "S(2),S(2)" in x_layouts  # 4 patch rows: 2 + 2, 1 + 1 + 1 + 1
+    assert not any("S(3)" in layout for layout in x_layouts)
+
+
+# ---------------------------------------------------------------- norms over a sharded dim
+
+
+class Norms(nn.Module):
+    def __init__(self, dim=5):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.rms = nn.RMSNorm(dim)
+
+    def forward(self, x):
+        return self.rms(self.ln(x) * 2)
+
+
+def test_norms_over_sharded_channels(ranks4):
+    """Tokens over domain, the 5 normalized channels over tensor (3 + 2): exact statistics."""
+    x = _randn(2, 7, 5)
+    make = partial(seeded, Norms, F64)
+    pins = {"layer_norm": inputs_are("S(1),S(2)", "R,S(0)", "R,S(0)"),
+            "rms_norm": inputs_are("S(1),S(2)", "R,S(0)")}
+    plan = pinned_plan(make(), (x,), MESH, pins)
+    assert {plan.node(n).kernel for n in pins} == {"sharded_layer_norm", "sharded_rms_norm"}
+    _run(ranks4, make, (x,), plan)
+
+
+# ---------------------------------------------------------------- fused linears
+
+
+class MLP(nn.Module):
+    def __init__(self, d=6, hidden=9, bias=True):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, d, bias=bias)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+def test_sequence_parallel_mlp_fuses_gather_and_scatter(ranks4):
+    """Batch over domain, 7 tokens over tensor: gathered into fc1, fc2's sum scattered back."""
+    x = _randn(2, 7, 6)
+    make = partial(seeded, MLP, F64)
+    pins = {"linear": inputs_are("S(0),R", "R,S(0)", "R,S(0)"),
+            "linear_1": inputs_are("S(0),S(2)", "R,S(1)", "R,P(sum)")}
+    plan = pinned_plan(make(), (x,), MESH, pins, input_placements=[(Shard(0), Shard(1))],
+                       output_placements=[(Shard(0), Shard(1))])
+    results = _run(ranks4, make, (x,), plan)
+    assert {"all_gather_linear", "linear_reduce_scatter"} <= set(results[0]["kernels"])
+
+
+def test_2d_linears_fuse_into_summa(ranks4):
+    """Jigsaw's layout: X tokens x features, W out x in, over domain x tensor; no bias."""
+    x = _randn(2, 7, 6)
+    make = partial(seeded, MLP, F64, bias=False)
+    pins = {"linear": inputs_are("S(1),S(2)", "R,S(1)"), "linear_1": inputs_are("S(1),S(2)", "R,S(1)"),
+            "p_fc1_weight": outputs_are("S(0),S(1)"), "p_fc2_weight": outputs_are("S(0),S(1)")}
+    plan = pinned_plan(make(), (x,), MESH, pins, input_placements=[(Shard(1), Shard(2))],
+                       output_placements=[(Shard(1), Shard(2))])
+    results = _run(ranks4, make, (x,), plan, kernel="summa_linear")
+    assert "linear" not in results[0]["kernels"]
+
+
+# ---------------------------------------------------------------- the weather mixer
+
+
+# mesh, model sizes, batch, input placements, pinned strategies, memory budget as a fraction of
+# the replicated plan's. Token mixing contracts over tokens that the domain axis shards.
+TOKEN_MIXING = inputs_are("S(2),R", "S(1),R", "P(sum),R")
+SIZES = dict(lat=8, lon=8, dim=6, token_hidden=10, channel_hidden=12)
+MIXERS = {
+    "1x2": ((1, 2), SIZES, 2, None, {}, 0.6),
+    # whole patch rows to each rank, tokens stay with them through the block
+    "2x1": ((2, 1), SIZES, 2, [(Shard(2), R)], {"conv2d": inputs_are("S(2),R", "R,R", "R,R"),
+                                                 "linear": TOKEN_MIXING}, 0.6),
+    # 3 x 5 = 15 patches, 5 channels, 7 and 9 hidden: nothing divides by 2. Tokens over domain,
+    # channels over tensor into the first norm and the token mixing.
+    "2x2-uneven": ((2, 2), dict(lat=6, lon=10, dim=5, token_hidden=7, channel_hidden=9), 2, None,
+                   {"layer_norm": inputs_are("S(1),S(2)", "R,S(0)", "R,S(0)"),
+                    "linear": inputs_are("S(2),S(1)", "S(1),R", "P(sum),R")}, None),
+}
+
+
+@pytest.mark.parametrize("case", MIXERS)
+def test_weather_mixer_trains_like_single_device(ranks2, ranks4, case):
+    mesh_shape, sizes, batch, input_placements, pins, fraction = MIXERS[case]
+    make = partial(seeded, WeatherMixer, F64, depth=1, **sizes)
+    x = _randn(batch, 3, sizes["lat"], sizes["lon"])
+    mesh = dict(zip(("domain", "tensor"), mesh_shape))
+    budget = None
+    if fraction is not None:
+        budget = int(autojigsaw.plan(make(), (x,), mesh, device="cpu").memory_per_rank * fraction)
+    plan = pinned_plan(make(), (x,), mesh, pins, memory_budget=budget, input_placements=input_placements)
+    pool = ranks4 if plan.mesh.world_size == 4 else ranks2
+    _run(pool, make, (x,), plan)
