@@ -47,6 +47,23 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str]) -> None:
                 kinds[(node, idx, a)] = "P" if "P" in said[a].values() else "R"
             if not multi:  # a tuple's readers are getitems, which settle themselves
                 _agree(graph, node, {a: (kinds[(node, idx, a)], said[a]) for a in axes}, rank)
+        if multi:
+            _mask_full_items(graph, node, kinds, rank)
+
+
+def _mask_full_items(graph: Graph, node: Node, kinds, rank) -> None:
+    """A tuple's gradients form one buffer (unbind's is a stack): items with a full gradient
+    among partial ones on an axis are masked to rank 0, so that all of it is partial."""
+    n_items = len(node.meta[PLACEMENTS])
+    for a in range(rank.mesh.ndim):
+        if "P" not in {kinds.get((node, i, a)) for i in range(n_items)}:
+            continue
+        for item in [u for u in node.users if kinds.get((node, u.args[1], a)) == "R"]:
+            readers = list(item.users)
+            masked = _chain(graph, item, [(C.grad_mask, a, {"coord": rank.coord[a]})])
+            for u in readers:
+                u.replace_input_with(item, masked)
+            kinds[(node, item.args[1], a)] = "P"
 
 
 def _readers(node: Node, idx: int) -> list[Node]:

@@ -58,9 +58,9 @@ def per_axis(mesh: MeshSpec, options: Callable[[int], list[AxisOption]]):
             continue
         inputs = tuple(tuple(o.inputs[i] for o in combo) for i in range(len(combo[0].inputs)))
         outputs = tuple(tuple(o.outputs[i] for o in combo) for i in range(len(combo[0].outputs)))
-        notes = "; ".join(dict.fromkeys(o.note for o in combo if o.note))
+        notes = "; ".join(f"{axis}: {o.note}" for axis, o in zip(mesh.axis_names, combo) if o.note)
         out.append(Strategy(inputs, outputs, kernel=kernels.pop() if kernels else "local", note=notes))
     return out
 
 
-from . import elementwise, matmul, norm  # noqa: E402,F401  (register the rules)
+from . import attention, batched_matmul, conv, elementwise, matmul, norm, softmax  # noqa: E402,F401  (register the rules)
