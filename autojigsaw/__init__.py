@@ -1,8 +1,11 @@
 """autojigsaw: automatic domain + tensor parallelism for unmodified PyTorch models."""
 
-from .api import plan
+from .api import evaluate, plan
+from .cost_model.calibrate import calibrate
+from .loading import load_shard, stand_in
 from .mesh import MeshSpec
 from .plan import NodeSharding, Plan
+from .runtime.init import meta_init
 from .runtime.module import ParallelModule
 
 
@@ -20,4 +23,5 @@ def parallelize(model, mesh, example_inputs=None, *, compile: bool = True, train
                           plan=plan)
 
 
-__all__ = ["MeshSpec", "NodeSharding", "ParallelModule", "Plan", "parallelize", "plan"]
+__all__ = ["MeshSpec", "NodeSharding", "ParallelModule", "Plan", "calibrate", "evaluate", "load_shard", "meta_init", "parallelize", "plan",
+           "stand_in"]

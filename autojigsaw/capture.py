@@ -4,13 +4,18 @@ Why export and not symbolic_trace: it captures Hugging Face GPT-2, Llama, BERT a
 works from the meta device, and records every node's fake value ("val") with its shape.
 `run_decompositions({})` then lowers composite ops (reshape, flatten, dropout) to the ATen
 ops DTensor has rules for, keeps linear / layer_norm / attention whole, and drops dead code.
+A Hugging Face model is traced with its KV cache off: the cache is an inference-time output
+that no graph can return, and training never reads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
@@ -46,7 +51,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     """Export `model(*args, **kwargs)` into an ATen graph; a clear error if export fails."""
     kwargs = kwargs or {}
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False).run_decompositions({})
+        with _no_kv_cache(model), _fake_meta_state(model, args, kwargs) as (args, kwargs):
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False).run_decompositions({})
     except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
         raise ValueError(
             f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
@@ -77,6 +83,49 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     gm.graph.lint()
     gm.recompile()
     return Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec)
+
+
+@contextlib.contextmanager
+def _fake_meta_state(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Trace a model with meta parameters or buffers as if they lived on its inputs' device.
+
+    Meta state and real inputs do not mix in one trace; fake tensors on the inputs' device
+    stand in for the meta ones (no memory), and the meta originals are put back afterwards.
+    """
+    meta = [(table, name, t) for mod in model.modules() for table in (mod._parameters, mod._buffers)
+            for name, t in table.items() if t is not None and t.is_meta]
+    if not meta:
+        yield args, kwargs
+        return
+    real = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    device = real[0].device if real else torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}  # one stand-in per tensor: tied weights stay tied
+    for table, name, t in meta:
+        if id(t) not in fakes:
+            with mode:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            fakes[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        table[name] = fakes[id(t)]
+    try:
+        yield pytree.tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    finally:
+        for table, name, t in meta:
+            table[name] = t
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: torch.nn.Module):
+    """Turn a Hugging Face model's `config.use_cache` off while tracing it."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def _merge_tied(gm: GraphModule, params: dict[str, str], model: torch.nn.Module) -> None:

@@ -86,9 +86,15 @@ def _raw_all_gather(x, dim, sizes, axis, group):
     return torch.cat([y.narrow(dim, i * chunk, s) for i, s in enumerate(sizes)], dim)
 
 
+def reduce_dtype(dtype: torch.dtype, op: str = "sum") -> torch.dtype:
+    """The dtype a reduction sends: bf16/fp16 partial sums in fp32, so rounding is the model's own."""
+    return torch.float32 if op in ("sum", "avg") and dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
     n = len(sizes)
     chunk = max(sizes)
+    dtype, x = x.dtype, x.to(reduce_dtype(x.dtype, op))
     if any(s != chunk for s in sizes):
         pieces = torch.split(x, list(sizes), dim)
         x = torch.cat([_pad_dim(p, dim, chunk) for p in pieces], dim)
@@ -97,14 +103,14 @@ def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
     y = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, _wire_op(op), n, group))
     if op == "avg":
         y = y / n
-    return y.movedim(0, dim).narrow(dim, 0, sizes[coord]).contiguous()
+    return y.movedim(0, dim).narrow(dim, 0, sizes[coord]).to(dtype).contiguous()
 
 
 def _raw_all_reduce(x, op, n, axis, group):
-    x = x.contiguous()
+    dtype, x = x.dtype, x.to(reduce_dtype(x.dtype, op)).contiguous()
     _record("all_reduce", axis, x, n)
     y = _c10d.wait_tensor(_c10d.all_reduce(x, _wire_op(op), group))
-    return y / n if op == "avg" else y
+    return (y / n if op == "avg" else y).to(dtype)
 
 
 def _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, group):

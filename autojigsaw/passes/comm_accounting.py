@@ -26,6 +26,13 @@ def _local_numel(node: Node, rank) -> tuple[list[int], int]:
     return shape, val.dtype.itemsize
 
 
+def _summed_itemsize(node: Node, op: str = "sum") -> int:
+    """Bytes per element a reduction of `node`'s value sends (bf16/fp16 sums go in fp32)."""
+    val = node.meta[GLOBAL]
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    return C.reduce_dtype(val.dtype, op).itemsize
+
+
 def _padded(shape: list[int], dim: int, size: int) -> int:
     return math.prod(shape[:dim] + [size] + shape[dim + 1:])
 
@@ -45,19 +52,20 @@ def collective_traffic(node: Node, rank, backward: bool) -> list[tuple[str, int]
         n, chunk = len(kw["sizes"]), max(kw["sizes"])
         out.append(("all_gather", bytes_sent("all_gather", _padded(shape, kw["dim"], chunk) * itemsize, n)))
         if backward and kw["grad"] == "P":
-            out.append(("reduce_scatter", out[0][1]))
+            summed = _padded(shape, kw["dim"], n * chunk) * _summed_itemsize(src)
+            out.append(("reduce_scatter", bytes_sent("reduce_scatter", summed, n)))
     elif node.target is C.reduce_scatter:
         n, chunk = len(kw["sizes"]), max(kw["sizes"])
-        out.append(("reduce_scatter",
-                    bytes_sent("reduce_scatter", _padded(shape, kw["dim"], n * chunk) * itemsize, n)))
+        summed = _padded(shape, kw["dim"], n * chunk) * _summed_itemsize(src, kw["op"])
+        out.append(("reduce_scatter", bytes_sent("reduce_scatter", summed, n)))
         if backward:
             out.append(("all_gather", out[0][1]))
     elif node.target in (C.all_reduce, C.grad_all_reduce):
-        nbytes = bytes_sent("all_reduce", math.prod(shape) * itemsize, kw["n"])
+        numel = math.prod(shape)
         if node.target is C.all_reduce:
-            out.append(("all_reduce", nbytes))
+            out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src, kw["op"]), kw["n"])))
         if backward and (node.target is C.grad_all_reduce or kw["grad"] == "P"):
-            out.append(("all_reduce", nbytes))
+            out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src), kw["n"])))
     elif node.target is C.all_to_all:
         n = len(kw["src_sizes"])
         shape[kw["src_dim"]] = max(kw["src_sizes"])
@@ -76,7 +84,7 @@ def traffic_by_origin(gm: GraphModule, rank, sources: set[str], training: bool) 
     grad = needs_grad(gm, sources) if training else {}
     total: dict[str, int] = defaultdict(int)
     for node in gm.graph.nodes:
-        backward = any(grad.get(i, False) for i in node.all_input_nodes)
+        backward = frozenset(i for i in node.all_input_nodes if grad.get(i, False))
         for _, nbytes in collective_traffic(node, rank, backward):
             total[node.meta.get(ORIGIN, node.name)] += nbytes
     return dict(total)

@@ -1,4 +1,8 @@
-"""Materialize: each rank keeps only its own shard of every parameter, as a DTensor."""
+"""Materialize: each rank keeps only its own shard of every parameter, as a DTensor.
+
+A parameter on the meta device that was built under `meta_init` is replayed whole, sliced and
+dropped, one at a time (runtime/init.py): the full model never exists on one rank.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..placements import Placements, local_offset, local_shape
+from .init import is_recorded, materialize
 
 
 def local_view(t: torch.Tensor, placements: Placements, mesh_sizes, coord) -> torch.Tensor:
@@ -32,18 +37,37 @@ def shard_parameters(model: nn.Module, param_placements: dict[str, Placements], 
                      coord: tuple[int, ...]) -> None:
     """Replace each planned parameter by a DTensor parameter that holds only this rank's shard."""
     sizes = tuple(device_mesh.mesh.shape)
+    device = torch.device(device_mesh.device_type)
     for fqn, placements in param_placements.items():
         param = model.get_parameter(fqn)
         if isinstance(param, DTensor):
             raise ValueError(f"parameter {fqn!r} is already a DTensor: parallelize a model once, "
                              "from its plain (single-device) parameters")
-        if param.device.type == "meta":
-            raise ValueError(
-                f"parameter {fqn!r} is on the meta device: load or initialize the model's weights "
-                "first (materializing from meta is not supported yet)")
-        local = local_view(param.detach(), placements, sizes, coord).clone()
+        full = _whole(param, fqn, "parameter")
+        local = local_view(full, placements, sizes, coord).clone().to(device)
+        del full  # the whole parameter lived only for this slice
         dt = DTensor.from_local(local, device_mesh, placements, run_check=False,
                                 shape=param.shape, stride=param.stride())
         new = nn.Parameter(dt, requires_grad=param.requires_grad)
         for mod, name in _owners(model, param):
             setattr(mod, name, new)
+
+
+def materialize_buffers(model: nn.Module) -> None:
+    """Replace every buffer built under `meta_init` by its real (whole) value."""
+    for fqn, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            mod_name, _, name = fqn.rpartition(".")
+            model.get_submodule(mod_name)._buffers[name] = _whole(buf, fqn, "buffer")
+
+
+def _whole(t: torch.Tensor, fqn: str, what: str) -> torch.Tensor:
+    """The whole value of a parameter or buffer: itself, or replayed if it is a recorded meta tensor."""
+    if not t.is_meta:
+        return t.detach()
+    if not is_recorded(t):
+        raise ValueError(
+            f"{what} {fqn!r} is on the meta device but was not built under autojigsaw.meta_init(): "
+            "build the model inside `with autojigsaw.meta_init():` (each rank then creates only its "
+            "shards, initialized as on one device), converting dtypes inside the block too")
+    return materialize(t)

@@ -4,6 +4,11 @@ Its parameters are DTensors under the model's own names, so optimizers, clip_gra
 torch.distributed.checkpoint and `.full_tensor()` work unchanged. Its forward feeds the
 local shards to the rewritten graph (compiled by default). By default it takes the whole
 inputs, the same on every rank, and returns whole outputs.
+
+A model built under `autojigsaw.meta_init()` gets its shards one parameter at a time. A mesh
+axis named "data" (or "dp") is pure data parallelism (runtime/data_parallel.py); FSDP2's
+`fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="data"))` can then shard
+the weights over it, on top of the graph's own all-reduce of their gradients.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from ..mesh import MeshSpec
 from ..passes.rewrite import RankView, rewrite
 from ..placements import local_shape
 from ..plan import Plan
-from .materialize import local_view, shard_parameters
+from .init import forget
+from .materialize import local_view, materialize_buffers, shard_parameters
 
 
 class ParallelModule(nn.Module):
@@ -66,7 +72,12 @@ class ParallelModule(nn.Module):
         coord = tuple(self.device_mesh.get_coordinate())
         groups = tuple(self.device_mesh.get_group(a).group_name for a in self.mesh.axis_names)
         self._rank = RankView(self.mesh, coord, groups)
+        recorded = [t for t in (*self._model.parameters(), *self._model.buffers()) if t.is_meta]
         shard_parameters(self._model, self.plan.param_placements, self.device_mesh, coord)
+        materialize_buffers(self._model)
+        forget(recorded)
+        self._parameters.update(self._model._parameters)  # the model's own, now sharded
+        self._buffers.update(self._model._buffers)
         # Inputs that do not require grad skip these gradient collectives at run time.
         floating = frozenset(n for n, v in zip(captured.inputs, captured.input_values)
                              if isinstance(v, torch.Tensor) and v.is_floating_point())
@@ -92,11 +103,12 @@ class ParallelModule(nn.Module):
                 continue
             if node.name in captured.params:
                 feeds.append(self._model.get_parameter(captured.params[node.name]).to_local())
-            elif node.name in captured.constants:
-                feeds.append(captured.constants[node.name])
-            elif node.name in captured.buffers:
+            elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
+                # The module's own buffer (made real from meta, or loaded) over export's copy of it.
                 buf = self._model.get_buffer(captured.buffers[node.name])
                 feeds.append(local_view(buf, plan.node(node.name).output, self.mesh.sizes, rank.coord))
+            elif node.name in captured.constants:
+                feeds.append(captured.constants[node.name])
             else:
                 feeds.append(next(inputs))
         outs = self._program(*feeds)
@@ -135,6 +147,14 @@ def _slice(x: torch.Tensor, placements, rank: RankView) -> torch.Tensor:
             x = shard_slice(x, dim=p.dim, sizes=sizes, coord=rank.coord[a],
                             axis=rank.mesh.axis_names[a], group=rank.groups[a], grad="R")
     return x
+
+
+def _has_buffer(model: nn.Module, fqn: str) -> bool:
+    module, _, name = fqn.rpartition(".")
+    try:
+        return name in model.get_submodule(module)._buffers
+    except AttributeError:
+        return False
 
 
 def _device_of(mesh) -> str:

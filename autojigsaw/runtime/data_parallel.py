@@ -1,0 +1,53 @@
+"""Data parallelism: a mesh axis named "data" or "dp" splits the batch and never the weights.
+
+Such an axis is pure data parallelism: every tensor input whose dim 0 is the batch is sharded
+on dim 0 over it, every other input, parameter and buffer is replicated over it, and the planner
+chooses freely on the other axes. Weights then stay whole over the data axis, and the gradient
+pass all-reduces their gradients over it (activations are sharded there), as DDP does; FSDP2
+`fully_shard` can shard them over it afterwards (see ParallelModule).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from ..capture import Captured
+from ..mesh import MeshSpec
+from ..placements import Placements
+
+DATA_AXIS_NAMES = ("data", "dp")
+
+
+def data_axes(mesh: MeshSpec) -> tuple[int, ...]:
+    """The positions of the mesh's data-parallel axes."""
+    return tuple(a for a, name in enumerate(mesh.axis_names) if name in DATA_AXIS_NAMES)
+
+
+def data_pins(captured: Captured, mesh: MeshSpec, fixed: dict[str, Placements]) -> dict[str, Placements]:
+    """`fixed` (placeholder -> placements) with the data axes pinned; None leaves an axis free."""
+    axes = tuple(a for a in data_axes(mesh) if mesh.sizes[a] > 1)  # a size-1 axis splits nothing
+    if not axes:
+        return fixed
+    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    inputs = [name for name in captured.inputs if isinstance(values[name], torch.Tensor)]
+    batch = next((values[n].shape[0] for n in inputs if values[n].ndim), None)
+    ranks = math.prod(mesh.sizes[a] for a in axes)
+    if batch is not None and batch < ranks:
+        names = ", ".join(repr(mesh.axis_names[a]) for a in axes)
+        raise ValueError(f"the batch of {batch} is smaller than the {ranks} ranks of data axis {names}: "
+                         "give every data-parallel rank at least one sample, or shrink that axis")
+    pins = dict(fixed)
+    for name in [*inputs, *captured.params, *captured.buffers]:
+        val = values[name]
+        if not isinstance(val, torch.Tensor):
+            continue
+        pin = list(fixed.get(name, (None,) * mesh.ndim))
+        batched = name in inputs and val.ndim and val.shape[0] == batch
+        for a in axes:
+            if pin[a] is None:
+                pin[a] = Shard(0) if batched else Replicate()
+        pins[name] = tuple(pin)
+    return pins

@@ -1,0 +1,107 @@
+"""Train a parallel model next to its single-device twin and report the largest differences.
+
+The models: the tiny Hugging Face ones of tests/hf_models.py and the weather mixer. Plans are
+made once in the test process (planning on every rank would only repeat it) and sent as JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+import autojigsaw
+from autojigsaw import Plan
+from autojigsaw.local_ranks import get_mesh
+
+from .hf_models import hf_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from mixer_model import WeatherMixer  # noqa: E402
+
+MODELS = ("gpt2", "llama", "bert", "vit", "mixer")
+
+
+def build(name: str, *, dtype: torch.dtype = torch.float64, dropout: float = 0.0):
+    """(model, example inputs) of `name` in `dtype`, seeded: the same on every rank."""
+    if name == "mixer":
+        torch.manual_seed(0)
+        model, inputs = WeatherMixer(), (torch.randn(2, 3, 8, 8),)
+    else:
+        model, inputs = hf_model(name, dropout=dropout)
+    model.train()
+    return model.to(dtype), tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+
+
+def loss_of(out) -> torch.Tensor:
+    """Mean square of every floating output: a loss that reaches every parameter."""
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.float().square().mean() if t.dtype == torch.bfloat16 else t.square().mean() for t in leaves)
+
+
+@functools.cache
+def replicated_bytes(name: str, dtype: torch.dtype = torch.float64) -> int:
+    """Predicted peak bytes per rank of `name` with every tensor whole (a 1-rank plan)."""
+    model, inputs = build(name, dtype=dtype)
+    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+
+
+def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7, **build_kwargs) -> str:
+    """The plan for `name` on `mesh` under `fraction` of the replicated bytes: sharded weights."""
+    model, inputs = build(name, **build_kwargs)
+    budget = int(fraction * replicated_bytes(name, build_kwargs.get("dtype", torch.float64)))
+    return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget).to_json()
+
+
+def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *, steps: int = 3,
+          dtype: torch.dtype = torch.float64, dropout: float = 0.0, clip: float | None = None,
+          fsdp: bool = False) -> dict:
+    """`steps` Adam steps of the parallel and the single-device model; the largest differences.
+
+    `fsdp`: FSDP2 then shards the weights over the mesh's "data" axis.
+    """
+    ref, inputs = build(name, dtype=dtype, dropout=dropout)
+    mesh = get_mesh(mesh_shape, axes)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), mesh, inputs, compile=False,
+                                    plan=Plan.from_json(plan) if plan else None)
+    if fsdp:
+        from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+
+        fully_shard(pmodel, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="data"))
+    opt = torch.optim.Adam(pmodel.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    diffs = {"output": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "scale": 0.0, "grad_scale": 0.0}
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # the same dropout masks in both models
+        out = pmodel(*inputs)
+        torch.manual_seed(100 + step)
+        ref_out = ref(*inputs)
+        for a, b in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref_out)):
+            diffs["output"] = max(diffs["output"], max_diff(a, b))
+            diffs["scale"] = max(diffs["scale"], b.abs().max().item())
+        loss_of(out).backward()
+        loss_of(ref_out).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(pmodel.parameters(), clip)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            diffs["norm"] = max(diffs["norm"], abs(norm.full_tensor().item() - ref_norm.item()))
+        for p, q in zip(pmodel.parameters(), ref.parameters()):
+            diffs["grad"] = max(diffs["grad"], max_diff(p.grad.full_tensor(), q.grad))
+            diffs["grad_scale"] = max(diffs["grad_scale"], q.grad.abs().max().item())
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(pmodel.parameters(), ref.parameters()):
+        diffs["param"] = max(diffs["param"], max_diff(p.full_tensor(), q))
+    diffs["sharded"] = sum(any(not pl.is_replicate() for pl in p.placements) for p in pmodel.parameters())
+    diffs["whole_over_first_axis"] = sum(p.placements[0].is_replicate() for p in pmodel.parameters())
+    diffs["table"] = pmodel.plan.table() if dist.get_rank() == 0 else None
+    return diffs
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()

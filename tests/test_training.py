@@ -1,0 +1,84 @@
+"""Training details: dropout, gradient clipping and bf16 mixed precision, against one device.
+
+Dropout draws the single-device mask on every rank (kernels/random.py), so with the same seed
+before each forward the parallel model matches bit for bit. clip_grad_norm_ works on the DTensor
+gradients unchanged. In bf16 the parallel model rounds differently (partial sums of a sharded
+contraction are rounded to bf16 before the fp32 reduction; the single device rounds once), so
+it is compared with a tolerance derived from bf16's unit roundoff; the same plan in fp32 agrees
+to fp32 rounding. Reductions of bf16 values send fp32 (kernels/collectives.py: reduce_dtype),
+and the plan's traffic prediction counts exactly those bytes.
+"""
+
+import pytest
+import torch
+
+import autojigsaw
+from autojigsaw import Plan
+from autojigsaw.kernels.collectives import count_comm
+from autojigsaw.local_ranks import get_mesh
+from autojigsaw.passes.comm_accounting import traffic_by_origin
+
+from .side_by_side import build, loss_of, plan_json, train
+
+BF16_U = 2.0**-8  # bf16 unit roundoff: 8 significant bits
+FP32_U = 2.0**-24
+
+
+@pytest.mark.parametrize("name,mesh", [("gpt2", {"tensor": 2}), ("bert", {"domain": 2})])
+def test_dropout_matches_single_device_exactly(ranks2, name, mesh):
+    plan = plan_json(name, mesh, dropout=0.1)
+    for r in ranks2.run(train, name, tuple(mesh.values()), tuple(mesh), plan, steps=2, dropout=0.1):
+        assert r["sharded"] > 0, r["table"]
+        for key in ("output", "grad", "param"):
+            assert r[key] <= 1e-10, (key, r[key], r["table"])
+
+
+def test_gradient_clipping_matches_single_device(ranks4):
+    mesh = {"domain": 2, "tensor": 2}
+    plan = plan_json("mixer", mesh)
+    for r in ranks4.run(train, "mixer", (2, 2), tuple(mesh), plan, steps=2, clip=0.05):
+        assert r["sharded"] > 0, r["table"]
+        for key in ("norm", "output", "grad", "param"):
+            assert r[key] <= 1e-12, (key, r[key])
+
+
+@pytest.mark.parametrize("dtype,unit", [(torch.bfloat16, BF16_U), (torch.float32, FP32_U)], ids=["bf16", "fp32"])
+def test_mixed_precision_within_rounding_of_single_device(ranks2, dtype, unit):
+    """One step of the mixer in bf16 (reductions in fp32) and in fp32, on a tensor=2 plan.
+
+    A sharded contraction rounds its partial sums once more than the single device: at most
+    one unit of roundoff per matmul, relative to the largest value, over the mixer's 9 matmuls.
+    """
+    mesh = {"tensor": 2}
+    plan = plan_json("mixer", mesh, 0.55, dtype=dtype)
+    for r in ranks2.run(train, "mixer", (2,), tuple(mesh), plan, steps=1, dtype=dtype):
+        assert r["sharded"] > 0, r["table"]
+        assert r["output"] <= 9 * unit * r["scale"], r
+        assert r["grad"] <= 9 * unit * r["grad_scale"], r
+
+
+def _traffic(plan: str, dtype: torch.dtype) -> tuple[int, dict[str, int]]:
+    """(predicted bytes, bytes counted per collective) of one step on this rank."""
+    model, inputs = build("mixer", dtype=dtype)
+    pmodel = autojigsaw.parallelize(model, get_mesh((2,), ("tensor",)), inputs, compile=False,
+                                    plan=Plan.from_json(plan))
+    with count_comm() as log:
+        loss_of(pmodel(*inputs)).backward()
+    by_kind: dict[str, int] = {}
+    for kind, _, nbytes in log.calls:
+        by_kind[kind] = by_kind.get(kind, 0) + nbytes
+    # The prediction for this graph (the plan's own was made for its dtype): read off its collectives.
+    predicted = traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.params), True)
+    return sum(predicted.values()), by_kind
+
+
+def test_bf16_reductions_send_fp32_and_the_plan_counts_them_exactly(ranks2):
+    """One plan run in bf16 and fp32: sums send the same fp32 bytes, all predicted exactly."""
+    plan = plan_json("mixer", {"tensor": 2}, 0.55, dtype=torch.float32)
+    sent = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        predicted, by_kind = ranks2.run(_traffic, plan, dtype)[0]
+        assert predicted == sum(by_kind.values()) > 0, (dtype, predicted, by_kind)
+        sent[dtype] = by_kind
+    for kind in ("all_reduce", "reduce_scatter"):
+        assert sent[torch.bfloat16].get(kind) == sent[torch.float32].get(kind), sent
