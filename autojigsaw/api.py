@@ -10,7 +10,8 @@ import torch
 
 from .capture import Captured, capture
 from .cost_model.devices import DeviceSpec, device_spec
-from .cost_model.estimate import CostContext, needs_grad
+from .cost_model.estimate import CostContext
+from .passes.grad_kinds import grads_by_name
 from .cost_model.memory import Optimizer, optimizer_spec
 from .mesh import MeshSpec
 from .passes.comm_accounting import traffic_by_origin
@@ -88,7 +89,7 @@ def with_traffic(plan: Plan, captured: Captured) -> Plan:
 
 def _problem(captured: Captured, ctx: CostContext, tie_layers: bool | None):
     """The costs of every strategy of the annotated graph; parameters and buffers live throughout."""
-    grad = needs_grad(captured.gm, set(captured.params), set())
+    grad = grads_by_name(captured.gm, set(captured.params))
     return build_problem(captured.gm, ctx, captured.params, grad, tie_layers=tie_layers,
                          persistent=set(captured.params) | set(captured.buffers))
 

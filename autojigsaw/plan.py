@@ -115,21 +115,21 @@ class Plan:
              " ".join(format_placements(p) for p in n.inputs),
              format_placements(n.output) if n.output else "",
              n.kernel + (" (fallback)" if n.fallback else ""),
-             _bytes(n.comm_bytes), _seconds(n.comm_s), _seconds(n.compute_s), _bytes(n.memory_bytes), n.note)
+             format_bytes(n.comm_bytes), format_seconds(n.comm_s), format_seconds(n.compute_s), format_bytes(n.memory_bytes), n.note)
             for n in self.nodes if every_node or n.kind in SHOWN_KINDS or n.fallback
         ]
         headers = ["node", "op", "shapes", "inputs", "output", "kernel", "comm/rank", "comm time",
                    "compute", "memory", "note"]
         comm_s = sum(n.comm_s for n in self.nodes)
-        rows.append(("TOTAL", "", "", "", "", f"{len(self.fallbacks)} fallback(s)", _bytes(self.comm_bytes),
-                     _seconds(comm_s), _seconds(self.step_time - comm_s), "peak " + _bytes(self.memory_per_rank),
-                     f"step {_seconds(self.step_time)}"))
-        budget = f" of {_bytes(self.memory_budget)} budget" if self.memory_budget else ""
+        rows.append(("TOTAL", "", "", "", "", f"{len(self.fallbacks)} fallback(s)", format_bytes(self.comm_bytes),
+                     format_seconds(comm_s), format_seconds(self.step_time - comm_s), "peak " + format_bytes(self.memory_per_rank),
+                     f"step {format_seconds(self.step_time)}"))
+        budget = f" of {format_bytes(self.memory_budget)} budget" if self.memory_budget else ""
         summary = (
             f"mesh {self.mesh.describe()} on {self.device}, "
             f"{'training' if self.training else 'inference'}: "
-            f"predicted step {_seconds(self.step_time)}, comm {_bytes(self.comm_bytes)}/rank, "
-            f"peak memory {_bytes(self.memory_per_rank)}/rank{budget}"
+            f"predicted step {format_seconds(self.step_time)}, comm {format_bytes(self.comm_bytes)}/rank, "
+            f"peak memory {format_bytes(self.memory_per_rank)}/rank{budget}"
             + (f" at the {self.peak_at}" if self.peak_at else "") + f"; {len(self.fallbacks)} fallback node(s)"
         )
         return tabulate(rows, headers=headers, tablefmt="simple") + "\n" + summary
@@ -189,17 +189,18 @@ class Plan:
         )
 
 
-def _bytes(n: float | None) -> str:
+def format_bytes(n: float | None) -> str:
+    """Bytes in B, KiB, MiB, GiB or TiB."""
     if not n:
         return "0"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
 
 
-def _seconds(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """Seconds in us, ms or s."""
     if s >= 1:
         return f"{s:.2f} s"
     if s >= 1e-3:

@@ -1,10 +1,7 @@
 """Bad input gets a ValueError that says what is wrong and how to fix it."""
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from autojigsaw import Plan
-from autojigsaw.placements import format_placements
 
 from .models import compare_training
 

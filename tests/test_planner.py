@@ -11,7 +11,8 @@ from torch.distributed.tensor import Replicate, Shard
 import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.cost_model.devices import device_spec
-from autojigsaw.cost_model.estimate import CostContext, needs_grad
+from autojigsaw.cost_model.estimate import CostContext
+from autojigsaw.passes.grad_kinds import grads_by_name
 from autojigsaw.mesh import MeshSpec
 from autojigsaw.passes.strategies import annotate
 from autojigsaw.planner import build_problem, solve
@@ -25,7 +26,7 @@ def _problem(model, inputs, mesh, *, training=True, device="cpu", tie_layers=Non
     annotate(captured.gm, mesh)
     params = set(captured.params)
     return build_problem(captured.gm, CostContext(mesh, device_spec(device), training), captured.params,
-                         needs_grad(captured.gm, params, set()), persistent=params, tie_layers=tie_layers)
+                         grads_by_name(captured.gm, params), persistent=params, tie_layers=tie_layers)
 
 
 def _brute_force(problem, budget):

@@ -18,7 +18,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 from torch.distributed.tensor import Replicate
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
 from ..kernels import registry
 from ..mesh import MeshSpec
@@ -50,20 +50,6 @@ class CostContext:
 
     def link(self, axis: int):
         return self.device.axis_link(self.mesh.sizes, axis, self.mesh.axis_names[axis])
-
-
-def needs_grad(gm: GraphModule, params: set[str], inputs_with_grad: set[str]) -> dict[str, bool]:
-    """For each node: does a gradient flow into its output during backward?"""
-    out: dict[str, bool] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            out[node.name] = node.name in params or node.name in inputs_with_grad
-        elif node.op == "call_function":
-            floating = any(v is not None and v.is_floating_point() for v in output_values(node))
-            out[node.name] = floating and any(out[src.name] for src, _ in tensor_inputs(node))
-        else:
-            out[node.name] = False
-    return out
 
 
 @lru_cache(maxsize=None)

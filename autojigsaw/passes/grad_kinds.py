@@ -124,15 +124,23 @@ def _contribution(reader: Node, a: int, kinds) -> str:
     return "P" if "P" in own else "R"
 
 
-def needs_grad(gm: GraphModule, sources: set[str]) -> dict[Node, bool]:
-    """Nodes whose outputs receive a gradient: floating point and downstream of a source."""
+def needs_grad(gm: GraphModule, sources: set[str], value_key: str = GLOBAL) -> dict[Node, bool]:
+    """Nodes whose outputs receive a gradient: floating point and downstream of a source.
+
+    `value_key`: the meta entry holding each node's value (the captured graph's is "val").
+    """
     out: dict[Node, bool] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             out[node] = node.name in sources
             continue
-        vals = node.meta.get(GLOBAL)
+        vals = node.meta.get(value_key)
         vals = vals if isinstance(vals, (tuple, list)) else [vals]
         floating = any(getattr(v, "is_floating_point", lambda: False)() for v in vals)
         out[node] = floating and any(out.get(i, False) for i in node.all_input_nodes)
     return out
+
+
+def grads_by_name(gm: GraphModule, sources: set[str]) -> dict[str, bool]:
+    """needs_grad of a captured (not yet rewritten) graph, by node name."""
+    return {node.name: g for node, g in needs_grad(gm, sources, "val").items()}

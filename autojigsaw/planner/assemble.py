@@ -8,7 +8,8 @@ from torch.fx import Node
 
 from ..capture import Captured
 from ..cost_model.compute import ATTENTION, MATMULS, NORMS, SOFTMAX
-from ..cost_model.estimate import CostContext, needs_grad
+from ..cost_model.estimate import CostContext
+from ..passes.grad_kinds import grads_by_name
 from ..cost_model.symbolic import name_sizes
 from ..passes.strategies import output_values, tensor_inputs
 from ..plan import NodeSharding, Plan
@@ -98,7 +99,7 @@ def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: Cost
     out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
     nodes_in_order = [nodes[name] for name in problem.names]
     sizes = name_sizes(captured.input_values, [nodes[ph].meta["val"] for ph in captured.params], ctx.mesh)
-    grad = needs_grad(captured.gm, set(captured.params), set())
+    grad = grads_by_name(captured.gm, set(captured.params))
     return Plan(
         mesh=ctx.mesh, device=ctx.device.name, training=ctx.training, nodes=tuple(shardings),
         param_placements={fqn: by_name[ph].output for ph, fqn in captured.params.items()},

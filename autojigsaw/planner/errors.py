@@ -6,7 +6,7 @@ import numpy as np
 
 from ..capture import Captured
 from ..mesh import MeshSpec
-from ..plan import _bytes
+from ..plan import format_bytes
 from .problem import Problem
 
 
@@ -20,10 +20,10 @@ def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budge
     peak, point = mem.peak(lean)
     heaviest = sorted(((float(o.min()), problem.names[n]) for n, o in enumerate(own)), reverse=True)[:5]
     names = {**captured.params, **captured.buffers}
-    listing = ", ".join(f"{names.get(n, n)} ({_bytes(b)})" for b, n in heaviest if b > 0)
+    listing = ", ".join(f"{names.get(n, n)} ({format_bytes(b)})" for b, n in heaviest if b > 0)
     return ValueError(
-        f"no plan fits the memory budget of {_bytes(budget)} per rank on mesh {mesh.describe()}: "
-        f"the layout that gives every node its smallest shards needs {_bytes(peak)} per rank (peak at "
+        f"no plan fits the memory budget of {format_bytes(budget)} per rank on mesh {mesh.describe()}: "
+        f"the layout that gives every node its smallest shards needs {format_bytes(peak)} per rank (peak at "
         f"the {mem.describe(point)}). "
         f"Largest even when sharded as far as the mesh allows (with gradients and optimizer state): "
         f"{listing}. Relax one of: a bigger mesh (more ranks to shard over), a larger memory_budget, "

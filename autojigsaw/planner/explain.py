@@ -23,6 +23,7 @@ from ..cost_model.symbolic import Sizes, collective_formula, local_dims, node_fo
 from ..passes.redistribute import redistribute_steps
 from ..passes.strategies import output_values, tensor_inputs
 from ..placements import format_placements
+from ..plan import format_seconds
 from .milp import Solution
 from .problem import Problem
 
@@ -69,8 +70,8 @@ class Explanation:
                 "choose differently, or the budget binds at another node of the plan)")
 
     def __str__(self) -> str:
-        rows = [("*" if i == self.chosen else "", c.inputs, c.outputs, c.kernel, _us(c.compute_s), _us(c.comm_s),
-                 _us(c.total_s), _mib(c.peak_bytes) + (" > budget" if self.budget and c.peak_bytes > self.budget
+        rows = [("*" if i == self.chosen else "", c.inputs, c.outputs, c.kernel, format_seconds(c.compute_s), format_seconds(c.comm_s),
+                 format_seconds(c.total_s), _mib(c.peak_bytes) + (" > budget" if self.budget and c.peak_bytes > self.budget
                                                         else ""))
                 for i, c in enumerate(self.candidates)]
         head = f"{self.node} ({self.op})"
@@ -125,10 +126,10 @@ class Explainer:
             factor = f" x {1 + f.backward:g} (forward + backward)" if f.backward else ""
             out += [(f"{f.kind} FLOPs", f"{f.flops}  (scales as {scaling(f.flops, names)})"),
                     ("bytes moved", f"{f.bytes}"),
-                    ("time", f"{_short(f.time)}{factor} = {_us(value)}")]
+                    ("time", f"{_short(f.time)}{factor} = {format_seconds(value)}")]
         elif strategy.kernel != "local":
             out.append(("time", f"kernel {strategy.kernel!r} prices itself (kernels.registry.cost): "
-                                f"{_us(float(self.problem.time[n][choice[n]]))}"))
+                                f"{format_seconds(float(self.problem.time[n][choice[n]]))}"))
         for k, (src, o) in enumerate(tensor_inputs(node)):
             out += self._edge(self.index[src.name], o, n, k)
         return tuple(out)
@@ -158,10 +159,6 @@ class Explainer:
 
 def _short(expr: sympy.Expr) -> str:
     return str(sympy.N(expr, 3))
-
-
-def _us(s: float) -> str:
-    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def _mib(b: float | None) -> str:
