@@ -1,6 +1,7 @@
 """autojigsaw: automatic domain + tensor parallelism for unmodified PyTorch models."""
 
 from .api import evaluate, plan
+from .cost_model.devices import DeviceSpec
 from .cost_model.calibrate import calibrate
 from .loading import load_shard, stand_in
 from .mesh import MeshSpec
@@ -10,7 +11,7 @@ from .runtime.module import ParallelModule
 
 
 def parallelize(model, mesh, example_inputs=None, *, compile: bool = True, training: bool = True,
-                memory_budget: int | None = None, device: str | None = None,
+                memory_budget: int | None = None, device: str | DeviceSpec | None = None,
                 input_placements=None, output_placements=None, example_kwargs=None,
                 plan: Plan | None = None) -> ParallelModule:
     """Shard `model` over `mesh` (a named DeviceMesh) by a plan; returns the module to train.

@@ -63,7 +63,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, *, device, training: bool,
     planned = with_traffic(assemble(captured, problem, solution, ctx, budget), captured)
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
-                                            len(solution.cuts)))
+                                            len(solution.cuts), solution.gap))
 
 
 def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,

@@ -57,11 +57,13 @@ class PlanStats:
     strategies: int  # binary variables
     solves: int
     memory_cuts: int
+    gap: float = 0.0  # relative optimality gap, 0 unless the solver's time limit was reached
 
     def __str__(self) -> str:
         return (f"planned {self.nodes} nodes as {self.groups} groups ({self.strategies} binaries): "
                 f"strategies {self.strategies_s:.2f} s, costs {self.problem_s:.2f} s, solve {self.solve_s:.2f} s "
-                f"({self.solves} MILP(s), {self.memory_cuts} memory row(s)), traffic {self.traffic_s:.2f} s")
+                f"({self.solves} MILP(s), {self.memory_cuts} memory row(s)), traffic {self.traffic_s:.2f} s"
+                + (f"; within {self.gap:.1%} of the optimum (time limit)" if self.gap else ""))
 
 
 @dataclass(frozen=True)

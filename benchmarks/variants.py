@@ -4,7 +4,10 @@
 - pytorch: `parallelize_module` with PyTorch's own TP styles, as torchtitan writes them
   (SequenceParallel norms, ColwiseParallel fc1, RowwiseParallel fc2, DTensor parameters);
 - megatron: the hand-written Megatron-LM module of benchmarks/megatron.py;
-- autojigsaw: `autojigsaw.parallelize` on the unmodified model (its own plan).
+- autojigsaw: `autojigsaw.parallelize` on the unmodified model (its own plan, priced with the
+  built-in "cpu" device spec);
+- autojigsaw-calibrated: the same, planned with `autojigsaw.calibrate(mesh)`: the links and
+  compute this machine measures now.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import autojigsaw
 from .megatron import MegatronStack
 from .models import MLPStack
 
-NAMES = ("single", "pytorch", "megatron", "autojigsaw")
+NAMES = ("single", "pytorch", "megatron", "autojigsaw", "autojigsaw-calibrated")
 
 
 @dataclass
@@ -57,8 +60,9 @@ def pytorch_tp(model: MLPStack, mesh) -> nn.Module:
 
 
 def build(name: str, ref: MLPStack, mesh, x: torch.Tensor, *, compile: bool,
-          memory_budget: int | None, lr: float = 1e-3) -> Variant:
-    """The variant `name` of a copy of `ref` on `mesh` (a 1-D DeviceMesh)."""
+          memory_budget: int | None, lr: float = 1e-3, calibrated=None) -> Variant:
+    """The variant `name` of a copy of `ref` on `mesh` (a 1-D DeviceMesh); `calibrated`: the
+    DeviceSpec autojigsaw.calibrate measured, for "autojigsaw-calibrated"."""
     model = copy.deepcopy(ref)
     if name == "single":
         module = model
@@ -67,7 +71,9 @@ def build(name: str, ref: MLPStack, mesh, x: torch.Tensor, *, compile: bool,
     elif name == "megatron":
         module = MegatronStack(model, mesh.get_group())
     elif name == "autojigsaw":
-        return Variant(name, *_autojigsaw(model, mesh, x, compile, memory_budget, lr))
+        return Variant(name, *_autojigsaw(model, mesh, x, compile, memory_budget, lr, None))
+    elif name == "autojigsaw-calibrated":
+        return Variant(name, *_autojigsaw(model, mesh, x, compile, memory_budget, lr, calibrated))
     else:
         raise ValueError(f"unknown variant {name!r}; known: {NAMES}")
     if compile:
@@ -76,6 +82,7 @@ def build(name: str, ref: MLPStack, mesh, x: torch.Tensor, *, compile: bool,
     return Variant(name, module, torch.optim.AdamW(module.parameters(), lr=lr), active)
 
 
-def _autojigsaw(model, mesh, x, compile, memory_budget, lr):
-    pmodel = autojigsaw.parallelize(model, mesh, (x,), compile=compile, memory_budget=memory_budget)
+def _autojigsaw(model, mesh, x, compile, memory_budget, lr, device):
+    pmodel = autojigsaw.parallelize(model, mesh, (x,), compile=compile, memory_budget=memory_budget,
+                                    device=device)
     return pmodel, torch.optim.AdamW(pmodel.parameters(), lr=lr)

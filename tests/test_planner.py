@@ -12,8 +12,8 @@ import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.estimate import CostContext
-from autojigsaw.passes.grad_kinds import grads_by_name
 from autojigsaw.mesh import MeshSpec
+from autojigsaw.passes.grad_kinds import grads_by_name
 from autojigsaw.passes.strategies import annotate
 from autojigsaw.planner import build_problem, solve
 
@@ -167,3 +167,21 @@ def test_table_summary_and_explanation_of_every_candidate():
     assert "chosen:" in text
     with pytest.raises(ValueError, match="carries no planner data"):
         autojigsaw.Plan.from_json(plan.to_json()).explain("linear")
+
+
+def test_a_search_stopped_by_the_time_limit_keeps_a_plan_that_fits_and_says_its_gap():
+    """Latency-bound links under a tight budget make an MILP whose relaxation is fractional."""
+    from dataclasses import replace
+
+    from autojigsaw.cost_model.devices import LinkSpec
+
+    from .side_by_side import build, replicated_bytes
+
+    model, inputs = build("llama")
+    slow = replace(device_spec("cpu"), intra_node=LinkSpec("slow", 1e-3, 0.8e9))
+    problem = _problem(model, inputs, {"domain": 2, "tensor": 2}, device=slow, tie_layers=False)
+    budget = 0.7 * replicated_bytes("llama", torch.float64)
+    with pytest.warns(UserWarning, match="time limit of 3 s reached; the plan is within"):
+        solution = solve(problem, budget, time_limit=3.0)
+    assert 0 < solution.gap < 1 and solution.peak_memory <= budget * (1 + 1e-6)
+    assert problem.memory.peak(solution.choice)[0] == solution.peak_memory

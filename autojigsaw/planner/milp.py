@@ -19,6 +19,7 @@ so a violated point never comes back, and the loop ends at the constrained optim
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,7 @@ class Solution:
     cuts: tuple[int, ...]  # program points whose memory row was added
     solves: int
     seconds: float
+    gap: float = 0.0  # relative optimality gap: 0 unless the time limit stopped the search
 
 
 class _Model:
@@ -56,6 +58,7 @@ class _Model:
         self.vals: list[np.ndarray] = []
         self.lo: list[float] = []
         self.hi: list[float] = []
+        self.gap = 0.0
 
     def add_vars(self, cost: np.ndarray, upper: float = 1.0) -> int:
         first = self.n
@@ -88,6 +91,15 @@ class _Model:
         # HiGHS presolve restarts cost more than they save on these (already small) programs
         exact = milp(**args, integrality=integrality,
                      options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "presolve": False})
+        if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
+            if exact.x is None:
+                raise ValueError(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
+                                 "give tie_layers=True (one choice per repeated layer), a larger "
+                                 "memory_budget, or a smaller mesh")
+            self.gap = float(exact.mip_gap)
+            warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
+                          f"{self.gap:.1%} of the optimum (a tight memory_budget makes the search hard)",
+                          stacklevel=2)
         return exact.x
 
 
@@ -256,7 +268,7 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) 
         peak, point = problem.memory.peak(choice)
         if budget is None or peak <= budget * (1 + 1e-6):  # HiGHS' feasibility tolerance
             return Solution(choice, problem.objective(choice), peak, point, tuple(cuts), solves,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, builder.model.gap)
         assert point not in cuts, f"the memory row of point {point} is not exact"
         builder.add_memory_row(point)
         cuts.append(point)

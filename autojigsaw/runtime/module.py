@@ -34,7 +34,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, mesh, example_inputs=None, example_kwargs=None, *,
                  compile: bool = True, training: bool = True, memory_budget: int | None = None,
-                 device: str | None = None, input_placements=None, output_placements=None,
+                 device=None, input_placements=None, output_placements=None,
                  plan: Plan | None = None):
         super().__init__()
         for name, child in model.named_children():
