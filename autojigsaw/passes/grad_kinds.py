@@ -6,18 +6,24 @@ sharded or partial on the axis hands back "P"; one whose output stays replicated
 on its own output's kind; the model output seeds "R". A value takes "P" as soon as one
 reader returns "P": the sum is then formed once, where the value was made -- a gather
 becomes gather/reduce-scatter, a parameter gets one all-reduce (as DDP does) -- and
-readers that return "R" are masked to rank 0. Only this pass inserts gradient collectives.
+readers that return "R" are masked to rank 0. One exception, Megatron's: an op with replicated
+parameters (a norm) whose partial gradient would only be summed upstream by the all-reduces that
+made its input sums it at its own output, so its parameters need no all-reduce of their own.
+Only this pass inserts gradient collectives.
 """
 
 from __future__ import annotations
 
 import operator
 
+import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import Graph, GraphModule, Node
 
 from ..kernels import collectives as C
 from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
+
+aten = torch.ops.aten
 
 
 # Collectives that read a Replicate value on their own axis: either gradient kind is fine.
@@ -28,10 +34,11 @@ COLLECTIVES = {C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.sha
                C.to_partial, C.grad_all_reduce, C.grad_mask}
 
 
-def set_grad_kinds(gm: GraphModule, rank, sources: set[str]) -> None:
+def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str]) -> None:
     """Set `grad=` on every collective, insert gradient masks and all-reduces (in place).
 
-    `sources`: names of the placeholders whose gradient is wanted (parameters, inputs).
+    `sources`: names of the placeholders whose gradient is wanted (parameters, inputs);
+    `params`: those that are parameters.
     """
     graph = gm.graph
     grad = needs_grad(gm, sources)
@@ -47,8 +54,57 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str]) -> None:
                 kinds[(node, idx, a)] = "P" if "P" in said[a].values() else "R"
             if not multi:  # a tuple's readers are getitems, which settle themselves
                 _agree(graph, node, {a: (kinds[(node, idx, a)], said[a]) for a in axes}, rank)
+                _settle_before_parameters(graph, node, [a for a in axes if kinds[(node, idx, a)] == "P"],
+                                          kinds, grad, params, rank)
         if multi:
             _mask_full_items(graph, node, kinds, rank)
+
+
+def _settle_before_parameters(graph: Graph, node: Node, axes: list[int], kinds, grad, params, rank) -> None:
+    """Sum a partial gradient at the output of an op with replicated parameters (a norm before a
+    column-sharded linear), as Megatron does, when the sum would otherwise only happen upstream
+    at all-reduces whose backward then has nothing to do: one all-reduce of the activation's
+    gradient instead of one per parameter, the same bytes, fewer collectives. Whether an input
+    wants a gradient does not enter (the planner counts traffic without knowing it)."""
+    if node.op != "call_function" or node.target in COLLECTIVES:
+        return
+    own = [i for i in node.all_input_nodes if i.op == "placeholder" and i.name in params]
+    settle = [a for a in axes if any(isinstance(p.meta[PLACEMENTS][0][a], Replicate) for p in own)
+              and _all_summed_upstream([i for i in node.all_input_nodes if i.op != "placeholder"], a, grad)]
+    if not settle:
+        return
+    users = list(node.users)
+    last = _chain(graph, node, [(C.grad_all_reduce, a, {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a],
+                                                        "group": rank.groups[a]}) for a in settle])
+    for u in users:
+        u.replace_input_with(node, last)
+    for a in settle:
+        kinds[(node, 0, a)] = "R"
+
+
+def _all_summed_upstream(values: list[Node], a: int, grad) -> bool:
+    found = [_summed_upstream(v, a, grad) for v in values]
+    return True in found and False not in found
+
+
+# Ops through which a gradient passes unchanged or summed: its partial kind reaches their inputs.
+_PASS_GRAD = {aten.add.Tensor, aten.sub.Tensor, aten.view.default, aten._unsafe_view.default,
+              aten.reshape.default, aten.clone.default, aten.alias.default}
+
+
+def _summed_upstream(value: Node, a: int, grad) -> bool | None:
+    """Would a partial gradient of `value` on axis a be summed only by all-reduces over a that made
+    it (so that a full one makes their backward free)? None: no gradient reaches any maker."""
+    if not grad.get(value) or value.op == "placeholder":
+        return None
+    if value.op != "call_function":
+        return False
+    if value.target is C.all_reduce:
+        return value.meta.get(AXIS) == a
+    if value.target in _PASS_GRAD:
+        found = [_summed_upstream(i, a, grad) for i in value.all_input_nodes]
+        return None if all(f is None for f in found) else False not in found
+    return False
 
 
 def _mask_full_items(graph: Graph, node: Node, kinds, rank) -> None:

@@ -73,7 +73,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         env[node] = new
     gm = GraphModule(captured.gm, graph)
     if training:
-        set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad))
+        set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params))
     fuse_collectives(gm)
     gm.recompile()
     return gm
