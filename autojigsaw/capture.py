@@ -11,6 +11,7 @@ that no graph can return, and training never reads it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     """Export `model(*args, **kwargs)` into an ATen graph; a clear error if export fails."""
     kwargs = kwargs or {}
     try:
-        with _no_kv_cache(model), _fake_meta_state(model, args, kwargs) as (args, kwargs):
+        with _no_kv_cache(model), _fake_meta_state(model, args, kwargs) as (args, kwargs), warnings.catch_warnings():
+            # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False).run_decompositions({})
     except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
         raise ValueError(

@@ -47,6 +47,7 @@ def calibrate(mesh, *, base: str | DeviceSpec | None = None, max_bytes: int = 4 
             links.append((name, _fit_link(mesh.get_group(name), device, max_bytes, repeats, deadline,
                                           f"{dist.get_backend()} {name}")))
     dtypes = (torch.float32, torch.float64, torch.bfloat16)
+    dist.barrier()  # every rank computes at once, as in a step: ranks that share cores contend
     rates = _agree([_matmul_rate(dt, device, repeats) for dt in dtypes] + [_copy_rate(device, repeats)]
                    + [link.bandwidth for _, link in links], device, largest=False)
     times = _agree([_floor(device)] + [link.latency_s for _, link in links], device, largest=True)
@@ -122,10 +123,16 @@ def _fit_link(group, device: torch.device, max_bytes: int, repeats: int, deadlin
 
 
 def _matmul_rate(dtype: torch.dtype, device: torch.device, repeats: int) -> float:
-    size = 2048 if device.type == "cuda" else 384
+    """FLOP/s of a run of matmuls long enough (tens of ms on CPU) to see the cores it shares."""
+    size, runs = (2048, 4) if device.type == "cuda" else (384, 16)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    return 2 * size**3 / _typical_time(lambda: a @ b, device, repeats)
+
+    def matmuls():
+        for _ in range(runs):
+            a @ b
+
+    return runs * 2 * size**3 / _typical_time(matmuls, device, repeats)
 
 
 def _copy_rate(device: torch.device, repeats: int) -> float:

@@ -115,9 +115,11 @@ DEVICES: dict[str, DeviceSpec] = {
         intra_node=LinkSpec("NVLink 3", 3e-6, 240e9), inter_node=LinkSpec("InfiniBand 200G", 8e-6, 22e9),
         devices_per_node=8,
     ),
-    # The CI machine (2 shared cores, 1 thread per rank, gloo on 127.0.0.1) as autojigsaw.calibrate
-    # measures it, rounded to rates it sustains while other jobs share it (quiet, it measures up to
-    # 2x faster matmuls and links): what the tests plan with. calibrate(mesh) gives the live numbers.
+    # The CI machine (2 shared cores, 1 thread per rank, gloo on 127.0.0.1), rounded: what the tests
+    # plan with. Quiet, calibrate measures 0.1 TFLOP/s fp32 per rank (0.05 with 4 ranks on the 2
+    # cores), 33 GB/s, and gloo rounds of about 1 ms at 0.8 GB/s (0.7 ms at 4 ranks): 10x the latency
+    # here. Plan with calibrate(mesh) to price collectives as this machine runs them; with that
+    # latency and a tight budget, the MILP loses its integral LP relaxation (planner/milp.py).
     "cpu-gloo": DeviceSpec(
         "cpu-gloo",
         flops=(("float32", 50e9), ("float64", 25e9), ("bfloat16", 10e9)),
