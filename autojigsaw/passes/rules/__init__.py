@@ -11,10 +11,11 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from torch.distributed.tensor import Shard
 from torch.fx import Node
 
 from ...mesh import MeshSpec
-from ...placements import Placement, Placements
+from ...placements import Placement, Placements, format_placements
 
 _RULES: dict[object, Callable] = {}
 
@@ -61,6 +62,16 @@ def per_axis(mesh: MeshSpec, options: Callable[[int], list[AxisOption]]):
         notes = "; ".join(f"{axis}: {o.note}" for axis, o in zip(mesh.axis_names, combo) if o.note)
         out.append(Strategy(inputs, outputs, kernel=kernels.pop() if kernels else "local", note=notes))
     return out
+
+
+def kernel_axis(node: Node, placements: Placements, dim: int, kernel: str) -> int:
+    """The one mesh axis that shards `dim`: the axis a kernel reduces or rings over."""
+    axes = [a for a, p in enumerate(placements) if p == Shard(dim)]
+    if len(axes) != 1:
+        raise ValueError(f"node {node.name!r}: {kernel} runs over one mesh axis, so its input must be "
+                         f"Shard({dim}) on exactly one, but its placements are {format_placements(placements)}; "
+                         "edit the plan or plan again")
+    return axes[0]
 
 
 from . import attention, batched_matmul, conv, elementwise, matmul, norm, softmax  # noqa: E402,F401  (register the rules)

@@ -25,9 +25,9 @@ from ...cost_model.comm import bytes_sent, collective_time
 from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...kernels import registry, seq_attention
 from ...kernels.ring import zigzag_sizes
-from ...placements import chunk_sizes, format_placements, local_offset, local_shape
+from ...placements import chunk_sizes, local_offset, local_shape
 from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, per_axis, register
+from . import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -130,13 +130,7 @@ def _legal(strategy, q, k, seq: int, heads: int, mesh) -> bool:
 
 def _seq_axis(node, spec) -> int:
     """The mesh axis the ring runs on: the one sharding Q's sequence dim."""
-    seq = node.args[0].meta["val"].ndim - 2
-    axes = [a for a, p in enumerate(spec.inputs[0]) if p == Shard(seq)]
-    if len(axes) != 1:
-        raise ValueError(f"node {node.name!r}: kernel {spec.kernel} runs on one mesh axis, so Q must be "
-                         f"Shard({seq}) on exactly one, but its placements are "
-                         f"{format_placements(spec.inputs[0])}; edit the plan or plan again")
-    return axes[0]
+    return kernel_axis(node, spec.inputs[0], node.args[0].meta["val"].ndim - 2, spec.kernel)
 
 
 def _ring_call(node, spec, rank, local_inputs):

@@ -21,7 +21,7 @@ from ...kernels.norm import sharded_layer_norm, sharded_rms_norm
 from ...kernels.softmax import _acc_dtype
 from ...placements import local_shape
 from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, per_axis, register
+from . import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
@@ -56,7 +56,7 @@ def norm(node, mesh, candidates):
 
 def _stat_axis(node: Node, strategy) -> int:
     """The mesh axis that shards the normalized dim (the kernel all-reduces over it)."""
-    return list(strategy.inputs[0]).index(Shard(node.args[0].meta["val"].ndim - 1))
+    return kernel_axis(node, strategy.inputs[0], node.args[0].meta["val"].ndim - 1, strategy.kernel)
 
 
 def _call(kernel, eps_at: int):

@@ -21,9 +21,9 @@ from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...kernels import registry
 from ...kernels.safe_softmax import sharded_safe_softmax
 from ...kernels.softmax import sharded_log_softmax, sharded_softmax
-from ...placements import format_placements, local_shape
+from ...placements import local_shape
 from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, per_axis, register
+from . import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
@@ -68,12 +68,7 @@ def softmax(node, mesh, candidates):
 
 def _axis(node, spec, dim: int) -> int:
     """The mesh axis that shards the softmax dim: the kernel reduces over it."""
-    axes = [a for a, p in enumerate(spec.inputs[0]) if p == Shard(dim)]
-    if len(axes) != 1:
-        raise ValueError(f"node {node.name!r}: sharded_softmax reduces over one mesh axis, so its input "
-                         f"must be Shard({dim}) on exactly one, but its placements are "
-                         f"{format_placements(spec.inputs[0])}; edit the plan or plan again")
-    return axes[0]
+    return kernel_axis(node, spec.inputs[0], dim, spec.kernel)
 
 
 @registry.register("sharded_softmax")
