@@ -21,6 +21,7 @@ import torch
 
 from .collectives import _c10d, _pad_dim
 from .ring import Layout, from_zigzag, make_layout, ring_shift, to_zigzag, zigzag_sizes
+from .softmax import acc_dtype
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag", "zigzag_sizes"]
 
@@ -53,10 +54,6 @@ def _pairs(q_runs, k_runs, causal: bool) -> list[_Pair]:
             k_off += k_len
         q_off += q_len
     return pairs
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _additive(keep: torch.Tensor, dtype) -> torch.Tensor:
@@ -125,7 +122,7 @@ def _ring_forward(q, k, v, mask, spec):
     layout, coord, scale, causal, axis, group = spec
     n = len(layout)
     b, h, sq, d = q.shape
-    hkv, dv, acc = k.shape[1], v.shape[-1], _acc_dtype(q.dtype)
+    hkv, dv, acc = k.shape[1], v.shape[-1], acc_dtype(q.dtype)
     width = max(sum(length for _, length in runs) for runs in layout)
     kshape, vshape = torch.Size((b, hkv, width, d)), torch.Size((b, hkv, width, dv))
     q5 = q.to(acc).reshape(b, hkv, h // hkv, sq, d)
@@ -164,7 +161,7 @@ def _ring_backward(dout, q, k, v, out, lse, mask, spec, mask_grad: bool):
     layout, coord, scale, causal, axis, group = spec
     n = len(layout)
     b, h, sq, d = q.shape
-    hkv, dv, acc = k.shape[1], v.shape[-1], _acc_dtype(q.dtype)
+    hkv, dv, acc = k.shape[1], v.shape[-1], acc_dtype(q.dtype)
     width = max(sum(length for _, length in runs) for runs in layout)
     kshape, vshape = torch.Size((b, hkv, width, d)), torch.Size((b, hkv, width, dv))
     q5 = q.to(acc).reshape(b, hkv, h // hkv, sq, d)

@@ -106,7 +106,7 @@ def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
     return y.movedim(0, dim).narrow(dim, 0, sizes[coord]).to(dtype).contiguous()
 
 
-def _raw_all_reduce(x, op, n, axis, group):
+def raw_all_reduce(x, op, n, axis, group):
     dtype, x = x.dtype, x.to(reduce_dtype(x.dtype, op)).contiguous()
     _record("all_reduce", axis, x, n)
     y = _c10d.wait_tensor(_c10d.all_reduce(x, _wire_op(op), group))
@@ -178,7 +178,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, op, n, axis, group, grad):
         ctx.args = (op, n, axis, group, grad)
-        y = _raw_all_reduce(x, op, n, axis, group)
+        y = raw_all_reduce(x, op, n, axis, group)
         if op in ("max", "min"):
             ctx.save_for_backward(x == y)
         return y
@@ -187,7 +187,7 @@ class _AllReduce(torch.autograd.Function):
     def backward(ctx, g):
         op, n, axis, group, grad = ctx.args
         if grad == "P":
-            g = _raw_all_reduce(g, "sum", n, axis, group)
+            g = raw_all_reduce(g, "sum", n, axis, group)
         if op == "avg":
             g = g / n
         elif op in ("max", "min"):
@@ -255,7 +255,7 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         n, axis, group = ctx.args
-        return _raw_all_reduce(g, "sum", n, axis, group), None, None, None
+        return raw_all_reduce(g, "sum", n, axis, group), None, None, None
 
 
 class _GradMask(torch.autograd.Function):

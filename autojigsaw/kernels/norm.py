@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from .collectives import _raw_all_reduce
-from .softmax import _acc_dtype, _check_group
+from .collectives import raw_all_reduce
+from .softmax import acc_dtype, check_group
 
 
 def _layout(kernel, x, normalized_shape, params, axis) -> tuple[tuple[int, ...], int]:
@@ -39,7 +39,7 @@ def _layout(kernel, x, normalized_shape, params, axis) -> tuple[tuple[int, ...],
 
 
 def _row_sum(t, dims, n, axis, group):
-    return _raw_all_reduce(t.sum(dims, keepdim=True), "sum", n, axis, group)
+    return raw_all_reduce(t.sum(dims, keepdim=True), "sum", n, axis, group)
 
 
 def _sum_batch(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -50,7 +50,7 @@ def _sum_batch(t: torch.Tensor, k: int) -> torch.Tensor:
 class _ShardedLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, dims, count, eps, n, axis, group):
-        xa = x.to(_acc_dtype(x.dtype))
+        xa = x.to(acc_dtype(x.dtype))
         mean = _row_sum(xa, dims, n, axis, group) / count
         centered = xa - mean
         rstd = torch.rsqrt(_row_sum(centered * centered, dims, n, axis, group) / count + eps)
@@ -74,7 +74,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = torch.stack([gxhat.sum(dims, keepdim=True),
                                 (gxhat * xhat).sum(dims, keepdim=True)])
-            sums = _raw_all_reduce(sums, "sum", n, axis, group) / count
+            sums = raw_all_reduce(sums, "sum", n, axis, group) / count
             dx = (rstd * (gxhat - sums[0] - xhat * sums[1])).to(x.dtype)
         dw = db = None
         if weight is not None and ctx.needs_input_grad[1]:
@@ -87,7 +87,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
 class _ShardedRmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, dims, count, eps, n, axis, group):
-        xa = x.to(_acc_dtype(x.dtype))
+        xa = x.to(acc_dtype(x.dtype))
         if eps is None:  # torch's default: the machine epsilon of the computation dtype
             eps = torch.finfo(xa.dtype).eps
         rstd = torch.rsqrt(_row_sum(xa * xa, dims, n, axis, group) / count + eps)
@@ -120,7 +120,7 @@ def sharded_layer_norm(x, normalized_shape, weight=None, bias=None, eps: float =
     """F.layer_norm with the last of the (global) normalized dims sharded over the axis."""
     dims, count = _layout("sharded_layer_norm", x, normalized_shape,
                           {"weight": weight, "bias": bias}, axis)
-    _check_group("sharded_layer_norm", n, axis, group)
+    check_group("sharded_layer_norm", n, axis, group)
     return _ShardedLayerNorm.apply(x, weight, bias, dims, count, eps, n, axis, group)
 
 
@@ -128,5 +128,5 @@ def sharded_rms_norm(x, normalized_shape, weight=None, eps: float | None = None,
                      n: int, axis: str, group: str):
     """F.rms_norm with the last of the (global) normalized dims sharded over the axis."""
     dims, count = _layout("sharded_rms_norm", x, normalized_shape, {"weight": weight}, axis)
-    _check_group("sharded_rms_norm", n, axis, group)
+    check_group("sharded_rms_norm", n, axis, group)
     return _ShardedRmsNorm.apply(x, weight, dims, count, eps, n, axis, group)

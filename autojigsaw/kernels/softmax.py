@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import _raw_all_reduce
+from .collectives import raw_all_reduce
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics accumulate in: fp64 stays fp64, everything else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_group(kernel: str, n: int, axis: str, group: str) -> None:
+def check_group(kernel: str, n: int, axis: str, group: str) -> None:
     """A ValueError unless `n` is the size of the axis' process group (eager mode only)."""
     if not torch.compiler.is_compiling():
         size = torch.distributed.distributed_c10d._get_group_size_by_name(group)
@@ -37,10 +38,10 @@ def _row_max(x: torch.Tensor, dim: int) -> torch.Tensor:
 class _ShardedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, half_to_float, log, n, axis, group):
-        acc = _acc_dtype(x.dtype)
+        acc = acc_dtype(x.dtype)
         xa = x.to(acc)
-        shifted = xa - _raw_all_reduce(_row_max(xa, dim), "max", n, axis, group)
-        total = _raw_all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", n, axis, group)
+        shifted = xa - raw_all_reduce(_row_max(xa, dim), "max", n, axis, group)
+        total = raw_all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", n, axis, group)
         y = shifted - total.log() if log else shifted.exp() / total
         to_float = half_to_float and x.dtype in (torch.half, torch.bfloat16)
         y = y.to(torch.float32 if to_float else x.dtype)
@@ -52,12 +53,12 @@ class _ShardedSoftmax(torch.autograd.Function):
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
         dim, log, n, axis, group, in_dtype = ctx.args
-        acc = _acc_dtype(in_dtype)
+        acc = acc_dtype(in_dtype)
         ga, ya = g.to(acc), y.to(acc)
         if log:  # d/dx log_softmax: g - softmax * sum(g)
-            gx = ga - ya.exp() * _raw_all_reduce(ga.sum(dim, keepdim=True), "sum", n, axis, group)
+            gx = ga - ya.exp() * raw_all_reduce(ga.sum(dim, keepdim=True), "sum", n, axis, group)
         else:  # d/dx softmax: y * (g - sum(g * y))
-            dot = _raw_all_reduce((ga * ya).sum(dim, keepdim=True), "sum", n, axis, group)
+            dot = raw_all_reduce((ga * ya).sum(dim, keepdim=True), "sum", n, axis, group)
             gx = ya * (ga - dot)
         return gx.to(in_dtype), None, None, None, None, None, None
 
@@ -70,7 +71,7 @@ def _apply(kernel, x, dim, half_to_float, log, n, axis, group):
         )
     if not x.is_floating_point():
         raise ValueError(f"{kernel}: x has dtype {x.dtype} on axis {axis!r}; pass a float tensor")
-    _check_group(kernel, n, axis, group)
+    check_group(kernel, n, axis, group)
     return _ShardedSoftmax.apply(x, dim % x.ndim, half_to_float, log, n, axis, group)
 
 

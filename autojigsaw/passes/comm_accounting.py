@@ -19,7 +19,7 @@ from .grad_kinds import needs_grad
 from .meta import GLOBAL, ORIGIN, PLACEMENTS
 
 
-def _local_numel(node: Node, rank) -> tuple[list[int], int]:
+def local_numel(node: Node, rank) -> tuple[list[int], int]:
     val = node.meta[GLOBAL]
     val = val[0] if isinstance(val, (tuple, list)) else val
     shape = list(local_shape(val.shape, node.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord))
@@ -33,7 +33,7 @@ def _summed_itemsize(node: Node, op: str = "sum") -> int:
     return C.reduce_dtype(val.dtype, op).itemsize
 
 
-def _padded(shape: list[int], dim: int, size: int) -> int:
+def padded_numel(shape: list[int], dim: int, size: int) -> int:
     return math.prod(shape[:dim] + [size] + shape[dim + 1:])
 
 
@@ -45,18 +45,18 @@ def collective_traffic(node: Node, rank, backward: bool) -> list[tuple[str, int]
                            C.shard_slice, C.grad_all_reduce):
         return registry.kernel_traffic(node, rank, backward)
     (src,) = node.all_input_nodes
-    shape, itemsize = _local_numel(src, rank)
+    shape, itemsize = local_numel(src, rank)
     kw = node.kwargs
     out = []
     if node.target is C.all_gather:
         n, chunk = len(kw["sizes"]), max(kw["sizes"])
-        out.append(("all_gather", bytes_sent("all_gather", _padded(shape, kw["dim"], chunk) * itemsize, n)))
+        out.append(("all_gather", bytes_sent("all_gather", padded_numel(shape, kw["dim"], chunk) * itemsize, n)))
         if backward and kw["grad"] == "P":
-            summed = _padded(shape, kw["dim"], n * chunk) * _summed_itemsize(src)
+            summed = padded_numel(shape, kw["dim"], n * chunk) * _summed_itemsize(src)
             out.append(("reduce_scatter", bytes_sent("reduce_scatter", summed, n)))
     elif node.target is C.reduce_scatter:
         n, chunk = len(kw["sizes"]), max(kw["sizes"])
-        summed = _padded(shape, kw["dim"], n * chunk) * _summed_itemsize(src, kw["op"])
+        summed = padded_numel(shape, kw["dim"], n * chunk) * _summed_itemsize(src, kw["op"])
         out.append(("reduce_scatter", bytes_sent("reduce_scatter", summed, n)))
         if backward:
             out.append(("all_gather", out[0][1]))
@@ -69,13 +69,13 @@ def collective_traffic(node: Node, rank, backward: bool) -> list[tuple[str, int]
     elif node.target is C.all_to_all:
         n = len(kw["src_sizes"])
         shape[kw["src_dim"]] = max(kw["src_sizes"])
-        numel = _padded(shape, kw["dst_dim"], n * max(kw["dst_sizes"]))
+        numel = padded_numel(shape, kw["dst_dim"], n * max(kw["dst_sizes"]))
         out.append(("all_to_all", bytes_sent("all_to_all", numel * itemsize, n)))
         if backward:
             out.append(out[0])
     elif node.target is C.shard_slice and backward and kw["grad"] == "R":
         n, chunk = len(kw["sizes"]), max(kw["sizes"])
-        out.append(("all_gather", bytes_sent("all_gather", _padded(shape, kw["dim"], chunk) * itemsize, n)))
+        out.append(("all_gather", bytes_sent("all_gather", padded_numel(shape, kw["dim"], chunk) * itemsize, n)))
     return out
 
 

@@ -24,7 +24,7 @@ from ..cost_model.comm import bytes_sent
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
-from .comm_accounting import _local_numel, _padded
+from .comm_accounting import local_numel, padded_numel
 from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
 
 _LINEAR = torch.ops.aten.linear.default
@@ -119,15 +119,15 @@ def _summa(gm: GraphModule, linear: Node) -> bool:
 
 
 def _gather_bytes(x: Node, dim: int, sizes, rank) -> int:
-    shape, itemsize = _local_numel(x, rank)
-    return bytes_sent("all_gather", _padded(shape, dim, max(sizes)) * itemsize, len(sizes))
+    shape, itemsize = local_numel(x, rank)
+    return bytes_sent("all_gather", padded_numel(shape, dim, max(sizes)) * itemsize, len(sizes))
 
 
 def _scatter_bytes(out: Node, dim: int, sizes, rank) -> int:
     """Bytes of the reduce-scatter whose result `out` is (its input: sum(sizes) along dim)."""
-    shape, itemsize = _local_numel(out, rank)
+    shape, itemsize = local_numel(out, rank)
     n = len(sizes)
-    return bytes_sent("reduce_scatter", _padded(shape, dim % len(shape), n * max(sizes)) * itemsize, n)
+    return bytes_sent("reduce_scatter", padded_numel(shape, dim % len(shape), n * max(sizes)) * itemsize, n)
 
 
 @registry.traffic(all_gather_linear)

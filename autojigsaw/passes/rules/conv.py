@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ...placements import chunk_sizes
 from . import AxisOption, per_axis, register
-from .matmul import _trim
+from .matmul import trim_options
 
 aten = torch.ops.aten
 R = Replicate()
@@ -50,7 +50,7 @@ def conv2d(node, mesh, candidates):
                  for d in patches if y.shape[d] >= n]
         return opts
 
-    found = per_axis(mesh, lambda n: _trim(options(n), has_bias))
+    found = per_axis(mesh, lambda n: trim_options(options(n), has_bias))
     return [s for s in found if _patches_align(s.inputs[0], x.shape, y.shape, w.shape, mesh)]
 
 

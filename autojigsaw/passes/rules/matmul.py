@@ -28,19 +28,19 @@ def linear(node, mesh, candidates):
     def options(n):
         opts = [AxisOption((R, R, R), (R,))]
         if n == 1:
-            return _trim(opts, has_bias)
+            return trim_options(opts, has_bias)
         opts += [AxisOption((Shard(d), R, R), (Shard(d),), note="token")
                  for d in range(last) if x.shape[d] >= n]
         if out_features >= n:
             opts.append(AxisOption((R, Shard(0), Shard(0)), (Shard(last),), note="column"))
         if in_features >= n:
             opts.append(AxisOption((Shard(last), Shard(1), Partial()), (Partial(),), note="row"))
-        return _trim(opts, has_bias)
+        return trim_options(opts, has_bias)
 
     return per_axis(mesh, options)
 
 
-def _trim(opts, has_bias):
+def trim_options(opts, has_bias):
     if has_bias:
         return opts
     return [AxisOption(o.inputs[:2], o.outputs, o.kernel, o.note) for o in opts]

@@ -18,7 +18,7 @@ from ...cost_model.comm import bytes_sent, collective_time
 from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...kernels import registry
 from ...kernels.norm import sharded_layer_norm, sharded_rms_norm
-from ...kernels.softmax import _acc_dtype
+from ...kernels.softmax import acc_dtype
 from ...placements import local_shape
 from ..meta import GLOBAL, PLACEMENTS
 from . import AxisOption, kernel_axis, per_axis, register
@@ -80,7 +80,7 @@ registry.register("sharded_rms_norm")(_call(sharded_rms_norm, 3))
 
 def _stat_bytes(x_shape, normalized: int, dtype: torch.dtype) -> int:
     """Bytes of one row statistic per row of a local x, in the kernels' accumulation dtype."""
-    return math.prod(x_shape[:len(x_shape) - normalized]) * _acc_dtype(dtype).itemsize
+    return math.prod(x_shape[:len(x_shape) - normalized]) * acc_dtype(dtype).itemsize
 
 
 def _traffic(kernel: str):
