@@ -51,6 +51,12 @@ class CostContext:
     def link(self, axis: int):
         return self.device.axis_link(self.mesh.sizes, axis, self.mesh.axis_names[axis])
 
+    def collective_time(self, kind: str, nbytes, axis: int) -> float:
+        """Seconds of one collective of `nbytes` input over mesh axis `axis`, on its link."""
+        link = self.link(axis)
+        return float(collective_time(kind, nbytes, self.mesh.sizes[axis], link.latency_s, link.bandwidth,
+                                     tree=self.device.tree_all_reduce))
+
 
 @lru_cache(maxsize=None)
 def _local(shape: tuple[int, ...], placements: tuple, sizes: tuple[int, ...]) -> np.ndarray:
@@ -167,7 +173,7 @@ def _pair_cost(shape, dtype, src: Placements, dst: Placements, partial: tuple[bo
     """(seconds, bytes sent) to move a tensor from `src` to `dst`, and its gradient back."""
     time, sent = 0.0, 0
     for kind, nbytes, axis in collective_steps(shape, dtype.itemsize, src, dst, partial, backward, ctx.mesh):
-        time += _time(kind, nbytes, axis, ctx)
+        time += ctx.collective_time(kind, nbytes, axis)
         sent += bytes_sent(kind, nbytes, ctx.mesh.sizes[axis])
     return time, sent
 
@@ -197,8 +203,3 @@ _steps = lru_cache(maxsize=None)(redistribute_steps)
 _adjoint = lru_cache(maxsize=None)(adjoint)
 _numel = lru_cache(maxsize=None)(step_input_numel)
 
-
-def _time(kind: str, nbytes: int, axis: int, ctx: CostContext) -> float:
-    link = ctx.link(axis)
-    return float(collective_time(kind, nbytes, ctx.mesh.sizes[axis], link.latency_s, link.bandwidth,
-                                 tree=ctx.device.tree_all_reduce))

@@ -136,6 +136,13 @@ class MemoryModel:
             return 0.0
         return float(self.vectors[p.src_bytes][s] + self.vectors[p.dst_bytes][t])
 
+    def own_bytes(self, n_strategies: list[int]) -> list[np.ndarray]:
+        """Per node and strategy: the bytes of the node's own (linear) items, each counted once."""
+        own = [np.zeros(k) for k in n_strategies]
+        for node, vec, _, _, scale in self.lin:
+            own[node] = own[node] + scale * self.vectors[vec]
+        return own
+
     def peak(self, choice: np.ndarray) -> tuple[float, int]:
         """(peak bytes, the point where it happens)."""
         prof = self.profile(choice)

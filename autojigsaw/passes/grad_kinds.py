@@ -71,18 +71,13 @@ def _settle_before_parameters(graph: Graph, node: Node, axes: list[int], kinds, 
     own = [i for i in node.all_input_nodes if i.op == "placeholder" and i.name in params]
     settle = [a for a in axes if any(isinstance(p.meta[PLACEMENTS][0][a], Replicate) for p in own)
               and _all_summed_upstream([i for i in node.all_input_nodes if i.op != "placeholder"], a, grad)]
-    if not settle:
-        return
-    users = list(node.users)
-    last = _chain(graph, node, [(C.grad_all_reduce, a, {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a],
-                                                        "group": rank.groups[a]}) for a in settle])
-    for u in users:
-        u.replace_input_with(node, last)
+    _sum_gradient_at(graph, node, settle, rank)
     for a in settle:
         kinds[(node, 0, a)] = "R"
 
 
 def _all_summed_upstream(values: list[Node], a: int, grad) -> bool:
+    """Does some gradient of `values` reach a maker over axis a, and every one only makers?"""
     found = [_summed_upstream(v, a, grad) for v in values]
     return True in found and False not in found
 
@@ -145,14 +140,18 @@ def _agree(graph: Graph, node: Node, decided: dict, rank) -> None:
             shared[key] = _chain(graph, node, [(C.grad_mask, a, {"coord": rank.coord[a]}) for a in axes])
         u.replace_input_with(node, shared[key])
     if node.op == "placeholder":
-        reduce = [(C.grad_all_reduce, a, {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a],
-                                          "group": rank.groups[a]})
-                  for a, (kind, _) in decided.items() if kind == "P"]
-        if reduce:
-            users = [u for u in node.users]
-            last = _chain(graph, node, reduce)
-            for u in users:
-                u.replace_input_with(node, last)
+        _sum_gradient_at(graph, node, [a for a, (kind, _) in decided.items() if kind == "P"], rank)
+
+
+def _sum_gradient_at(graph: Graph, node: Node, axes: list[int], rank) -> None:
+    """All-reduce the gradient of `node` over `axes`: grad_all_reduce ops between it and its readers."""
+    if not axes:
+        return
+    users = list(node.users)
+    last = _chain(graph, node, [(C.grad_all_reduce, a, {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a],
+                                                        "group": rank.groups[a]}) for a in axes])
+    for u in users:
+        u.replace_input_with(node, last)
 
 
 def _chain(graph: Graph, node: Node, calls) -> Node:

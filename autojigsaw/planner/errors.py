@@ -13,9 +13,7 @@ from .problem import Problem
 def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budget: int) -> ValueError:
     """No strategy choice fits the budget: say how far off, and which tensors weigh most."""
     mem = problem.memory
-    own = [np.zeros(len(s)) for s in problem.strategies]
-    for node, vec, _, _, scale in mem.lin:
-        own[node] = own[node] + scale * mem.vectors[vec]
+    own = mem.own_bytes([len(s) for s in problem.strategies])
     lean = np.array([int(np.argmin(o)) for o in own])
     peak, point = mem.peak(lean)
     heaviest = sorted(((float(o.min()), problem.names[n]) for n, o in enumerate(own)), reverse=True)[:5]

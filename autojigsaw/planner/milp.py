@@ -277,9 +277,7 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) 
 def _seed_points(problem: Problem) -> list[int]:
     """Where the peak usually is: the worst point of the leanest choice, end of forward, the step."""
     mem = problem.memory
-    own = [np.zeros(len(s)) for s in problem.strategies]
-    for node, vec, start, end, scale in mem.lin:
-        own[node] = own[node] + scale * mem.vectors[vec]
+    own = mem.own_bytes([len(s) for s in problem.strategies])
     reps = np.unique(problem.group, return_index=True)[1]
     lean = problem.expand(np.array([int(np.argmin(own[r])) for r in reps]))
     points = {mem.peak(lean)[1]}

@@ -21,7 +21,7 @@ import math
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...cost_model.comm import bytes_sent, collective_time
+from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...kernels import registry, seq_attention
 from ...kernels.ring import zigzag_sizes
@@ -230,7 +230,7 @@ def _ring_time(strategy, ctx, shapes, block: float, moved: int, dtype, causal: b
     """n steps, each computing one block of keys while the next travels; the slowest rank sets the pace."""
     q, k, v = shapes[:3]
     a = strategy.inputs[0].index(Shard(len(q) - 2))
-    n, link = ctx.mesh.sizes[a], ctx.link(a)
+    n = ctx.mesh.sizes[a]
     zigzag = RINGS[strategy.kernel] == "zigzag"
     # The share of a block the busiest rank computes per step: after the diagonal, causal
     # contiguous chunks leave the last rank whole blocks; zigzag gives every rank half of one.
@@ -240,7 +240,7 @@ def _ring_time(strategy, ctx, shapes, block: float, moved: int, dtype, causal: b
         return float(roofline_time(share * block, moved, dtype, ctx.device))
 
     def send(kind: str, nbytes: int) -> float:
-        return float(collective_time(kind, nbytes, n, link.latency_s, link.bandwidth))
+        return ctx.collective_time(kind, nbytes, a)
 
     kv_numel = math.prod(k) + math.prod(v)
     hop = send("send_recv", kv_numel * dtype.itemsize)

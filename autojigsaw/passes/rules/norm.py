@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
-from ...cost_model.comm import bytes_sent, collective_time
+from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...kernels import registry
 from ...kernels.norm import sharded_layer_norm, sharded_rms_norm
@@ -112,12 +112,10 @@ def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     moved = 2 * math.prod(shape) * x.dtype.itemsize  # x in, y out
     local = float(roofline_time(flops(node.target, [shape], [shape]), moved, x.dtype, ctx.device))
     a = _stat_axis(node, strategy)
-    link, n = ctx.link(a), ctx.mesh.sizes[a]
     nbytes = _stat_bytes(shape, len(node.args[1]), x.dtype)
 
     def reduce(stats: int) -> float:
-        return float(collective_time("all_reduce", stats * nbytes, n, link.latency_s, link.bandwidth,
-                                     tree=ctx.device.tree_all_reduce))
+        return ctx.collective_time("all_reduce", stats * nbytes, a)
 
     forward, backward_stats = _STATS[strategy.kernel]
     t = local + forward * reduce(1)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...cost_model.comm import bytes_sent, collective_time
+from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...kernels import registry
 from ...kernels.safe_softmax import sharded_safe_softmax
@@ -108,9 +108,7 @@ def softmax_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     t = float(roofline_time(flops(node.target, [shape], [shape]),
                             numel * (x.dtype.itemsize + y.dtype.itemsize), y.dtype, ctx.device))
     a = _axis(node, strategy, dim)
-    link = ctx.link(a)
-    reduce = float(collective_time("all_reduce", _stats_bytes(shape, dim, x.dtype), ctx.mesh.sizes[a],
-                                   link.latency_s, link.bandwidth, tree=ctx.device.tree_all_reduce))
+    reduce = ctx.collective_time("all_reduce", _stats_bytes(shape, dim, x.dtype), a)
     if ctx.training and grad:
         return t * (1 + backward_factor(node.target)) + 3 * reduce, math.nan
     return t + 2 * reduce, math.nan
