@@ -37,7 +37,17 @@ def padded_numel(shape: list[int], dim: int, size: int) -> int:
     return math.prod(shape[:dim] + [size] + shape[dim + 1:])
 
 
-def collective_traffic(node: Node, rank, backward: bool) -> list[tuple[str, int]]:
+def gather_bytes(shape: list[int], itemsize: int, dim: int, sizes) -> int:
+    """Bytes sent gathering a local `shape` along `dim` from chunks of `sizes` (padded to the largest)."""
+    return bytes_sent("all_gather", padded_numel(shape, dim, max(sizes)) * itemsize, len(sizes))
+
+
+def scatter_bytes(shape: list[int], itemsize: int, dim: int, sizes) -> int:
+    """Bytes sent reduce-scattering into chunks of `sizes` along `dim` (`shape`: any local shape of it)."""
+    return bytes_sent("reduce_scatter", padded_numel(shape, dim, len(sizes) * max(sizes)) * itemsize, len(sizes))
+
+
+def collective_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str, int]]:
     """(collective, bytes sent) of one rewritten node, forward then backward."""
     if node.op != "call_function":
         return []
@@ -49,15 +59,11 @@ def collective_traffic(node: Node, rank, backward: bool) -> list[tuple[str, int]
     kw = node.kwargs
     out = []
     if node.target is C.all_gather:
-        n, chunk = len(kw["sizes"]), max(kw["sizes"])
-        out.append(("all_gather", bytes_sent("all_gather", padded_numel(shape, kw["dim"], chunk) * itemsize, n)))
+        out.append(("all_gather", gather_bytes(shape, itemsize, kw["dim"], kw["sizes"])))
         if backward and kw["grad"] == "P":
-            summed = padded_numel(shape, kw["dim"], n * chunk) * _summed_itemsize(src)
-            out.append(("reduce_scatter", bytes_sent("reduce_scatter", summed, n)))
+            out.append(("reduce_scatter", scatter_bytes(shape, _summed_itemsize(src), kw["dim"], kw["sizes"])))
     elif node.target is C.reduce_scatter:
-        n, chunk = len(kw["sizes"]), max(kw["sizes"])
-        summed = padded_numel(shape, kw["dim"], n * chunk) * _summed_itemsize(src, kw["op"])
-        out.append(("reduce_scatter", bytes_sent("reduce_scatter", summed, n)))
+        out.append(("reduce_scatter", scatter_bytes(shape, _summed_itemsize(src, kw["op"]), kw["dim"], kw["sizes"])))
         if backward:
             out.append(("all_gather", out[0][1]))
     elif node.target in (C.all_reduce, C.grad_all_reduce):
@@ -74,8 +80,7 @@ def collective_traffic(node: Node, rank, backward: bool) -> list[tuple[str, int]
         if backward:
             out.append(out[0])
     elif node.target is C.shard_slice and backward and kw["grad"] == "R":
-        n, chunk = len(kw["sizes"]), max(kw["sizes"])
-        out.append(("all_gather", bytes_sent("all_gather", padded_numel(shape, kw["dim"], chunk) * itemsize, n)))
+        out.append(("all_gather", gather_bytes(shape, itemsize, kw["dim"], kw["sizes"])))
     return out
 
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ..cost_model.comm import bytes_sent
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
-from .comm_accounting import local_numel, padded_numel
+from .comm_accounting import gather_bytes, local_numel, scatter_bytes
 from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
 
 _LINEAR = torch.ops.aten.linear.default
@@ -119,15 +118,13 @@ def _summa(gm: GraphModule, linear: Node) -> bool:
 
 
 def _gather_bytes(x: Node, dim: int, sizes, rank) -> int:
-    shape, itemsize = local_numel(x, rank)
-    return bytes_sent("all_gather", padded_numel(shape, dim, max(sizes)) * itemsize, len(sizes))
+    return gather_bytes(*local_numel(x, rank), dim, sizes)
 
 
 def _scatter_bytes(out: Node, dim: int, sizes, rank) -> int:
-    """Bytes of the reduce-scatter whose result `out` is (its input: sum(sizes) along dim)."""
+    """Bytes of the reduce-scatter whose result `out` is."""
     shape, itemsize = local_numel(out, rank)
-    n = len(sizes)
-    return bytes_sent("reduce_scatter", padded_numel(shape, dim % len(shape), n * max(sizes)) * itemsize, n)
+    return scatter_bytes(shape, itemsize, dim % len(shape), sizes)
 
 
 @registry.traffic(all_gather_linear)
