@@ -18,6 +18,7 @@ import torch
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
+from ..dtypes import carries_grad
 from .compute import ATTENTION
 
 
@@ -112,7 +113,7 @@ def _rebuild(sig):
     if kind == "T":
         shape, dtype, stride = rest
         t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        return t.requires_grad_() if dtype.is_floating_point or dtype.is_complex else t
+        return t.requires_grad_() if carries_grad(dtype) else t
     if kind == "L":
         return [_rebuild(s) for s in rest[0]]
     return rest[0]

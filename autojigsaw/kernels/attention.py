@@ -21,7 +21,7 @@ import torch
 
 from .collectives import _c10d, _pad_dim
 from .ring import Layout, from_zigzag, make_layout, ring_shift, to_zigzag, zigzag_sizes
-from .softmax import acc_dtype
+from ..dtypes import acc_dtype
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag", "zigzag_sizes"]
 

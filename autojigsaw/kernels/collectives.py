@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cost_model.comm import bytes_sent
+from ..dtypes import reduce_dtype
 
 _c10d = torch.ops._c10d_functional
 
@@ -84,11 +85,6 @@ def _raw_all_gather(x, dim, sizes, axis, group):
     if all(s == chunk for s in sizes):
         return y.contiguous()
     return torch.cat([y.narrow(dim, i * chunk, s) for i, s in enumerate(sizes)], dim)
-
-
-def reduce_dtype(dtype: torch.dtype, op: str = "sum") -> torch.dtype:
-    """The dtype a reduction sends: bf16/fp16 partial sums in fp32, so rounding is the model's own."""
-    return torch.float32 if op in ("sum", "avg") and dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):

@@ -15,7 +15,8 @@ import math
 import torch
 
 from .collectives import raw_all_reduce
-from .softmax import acc_dtype, check_group
+from ..dtypes import acc_dtype
+from .softmax import check_group
 
 
 def _layout(kernel, x, normalized_shape, params, axis) -> tuple[tuple[int, ...], int]:

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import acc_dtype
 from .collectives import raw_all_reduce
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype statistics accumulate in: fp64 stays fp64, everything else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_group(kernel: str, n: int, axis: str, group: str) -> None:

@@ -12,6 +12,7 @@ from collections import defaultdict
 from torch.fx import GraphModule, Node
 
 from ..cost_model.comm import bytes_sent
+from ..dtypes import reduce_dtype
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..placements import local_shape
@@ -30,7 +31,7 @@ def _summed_itemsize(node: Node, op: str = "sum") -> int:
     """Bytes per element a reduction of `node`'s value sends (bf16/fp16 sums go in fp32)."""
     val = node.meta[GLOBAL]
     val = val[0] if isinstance(val, (tuple, list)) else val
-    return C.reduce_dtype(val.dtype, op).itemsize
+    return reduce_dtype(val.dtype, op).itemsize
 
 
 def padded_numel(shape: list[int], dim: int, size: int) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from ..dtypes import reduce_dtype
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
@@ -40,7 +41,7 @@ def fuse_collectives(gm: GraphModule) -> None:
 def _sums_natively(value: Node) -> bool:
     """Do the collectives sum `value` in its own dtype (as the fused kernels do)?"""
     dtype = value.meta[GLOBAL].dtype
-    return C.reduce_dtype(dtype) == dtype
+    return reduce_dtype(dtype) == dtype
 
 
 def _only_reader(value: Node, reader: Node) -> bool:

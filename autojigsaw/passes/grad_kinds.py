@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import Graph, GraphModule, Node
 
+from ..dtypes import value_carries_grad
 from ..kernels import collectives as C
 from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
 
@@ -180,7 +181,7 @@ def _contribution(reader: Node, a: int, kinds) -> str:
 
 
 def needs_grad(gm: GraphModule, sources: set[str], value_key: str = GLOBAL) -> dict[Node, bool]:
-    """Nodes whose outputs receive a gradient: floating point and downstream of a source.
+    """Nodes whose outputs receive a gradient: of a differentiable dtype and downstream of a source.
 
     `value_key`: the meta entry holding each node's value (the captured graph's is "val").
     """
@@ -191,8 +192,7 @@ def needs_grad(gm: GraphModule, sources: set[str], value_key: str = GLOBAL) -> d
             continue
         vals = node.meta.get(value_key)
         vals = vals if isinstance(vals, (tuple, list)) else [vals]
-        floating = any(getattr(v, "is_floating_point", lambda: False)() for v in vals)
-        out[node] = floating and any(out.get(i, False) for i in node.all_input_nodes)
+        out[node] = any(value_carries_grad(v) for v in vals) and any(out.get(i, False) for i in node.all_input_nodes)
     return out
 
 

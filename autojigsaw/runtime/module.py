@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ..api import plan_captured
 from ..capture import capture
+from ..dtypes import value_carries_grad
 from ..kernels.collectives import shard_slice
 from ..mesh import MeshSpec
 from ..passes.rewrite import RankView, rewrite
@@ -79,9 +80,9 @@ class ParallelModule(nn.Module):
         self._parameters.update(self._model._parameters)  # the model's own, now sharded
         self._buffers.update(self._model._buffers)
         # Inputs that do not require grad skip these gradient collectives at run time.
-        floating = frozenset(n for n, v in zip(captured.inputs, captured.input_values)
-                             if isinstance(v, torch.Tensor) and v.is_floating_point())
-        gm = rewrite(captured, self.plan, self._rank, training=opts["training"], inputs_with_grad=floating)
+        differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values)
+                                   if value_carries_grad(v))
+        gm = rewrite(captured, self.plan, self._rank, training=opts["training"], inputs_with_grad=differentiable)
         self._captured = captured
         self._graph = gm
         self._program = torch.compile(gm, fullgraph=True) if opts["compile"] else gm

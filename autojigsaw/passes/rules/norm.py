@@ -18,7 +18,7 @@ from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...kernels import registry
 from ...kernels.norm import sharded_layer_norm, sharded_rms_norm
-from ...kernels.softmax import acc_dtype
+from ...dtypes import acc_dtype
 from ...placements import local_shape
 from ..meta import GLOBAL, PLACEMENTS
 from . import AxisOption, kernel_axis, per_axis, register
