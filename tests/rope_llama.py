@@ -11,6 +11,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def in_dtype(dtype: torch.dtype, cls, *args, **kwargs) -> nn.Module:
+    """`cls(*args)` with parameters made in `dtype`; the complex RoPE table stays complex64.
+
+    (`module.to(torch.float64)` would cast the complex buffer to real, dropping its imaginary part.)
+    """
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return cls(*args, **kwargs)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def rope_frequencies(head_dim: int, seq: int, theta: float = 10000.0) -> torch.Tensor:
     """complex64 (seq, head_dim // 2): e^(i t f) as torch.polar makes them."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
