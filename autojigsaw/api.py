@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -11,17 +12,20 @@ import torch
 from .capture import Captured, capture
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
+from .cost_model.recompute import repeated_layers
 from .passes.grad_kinds import grads_by_name
 from .cost_model.memory import Optimizer, optimizer_spec
 from .mesh import MeshSpec
 from .passes.comm_accounting import traffic_by_origin
 from .passes.rewrite import RankView, rewrite
 from .passes.strategies import annotate
-from .placements import Placements, normalize
+from .placements import Placements, local_shape, normalize
 from .plan import Plan, PlanStats
+from .training import Regime
 from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
+from .planner.recompute import solve_with_recompute
 from .runtime.data_parallel import data_pins
 
 
@@ -29,23 +33,34 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
          training: bool = True, memory_budget: int | None = None, optimizer: str | Optimizer = "adam",
          input_placements: Sequence[Placements | None] | None = None,
          output_placements: Sequence[Placements] | None = None,
-         example_kwargs: Mapping | None = None, tie_layers: bool | None = None) -> Plan:
+         example_kwargs: Mapping | None = None, tie_layers: bool | None = None,
+         mp_policy=None, activation_checkpointing: str = "none", data_parallel: str | None = None) -> Plan:
     """Plan `model` on `mesh` (a DeviceMesh or e.g. {"domain": 8, "tensor": 8}); runs nothing.
 
     No process group is needed and the model may live on the meta device. `device` names a
     spec ("h100", "cpu", ...) or is one (autojigsaw.calibrate); the budget defaults to 90 % of
     its memory. `tie_layers` gives repeated layers one shared strategy per node (None: for
     big problems only; smaller ones get the exact optimum over every node's choice).
+    `mp_policy`: torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32
+    masters, gradient sums in reduce_dtype); `activation_checkpointing`: "none", "selective",
+    "full" or "auto" (the planner chooses per layer); `data_parallel`: "fsdp" or "ddp" on a
+    mesh axis named "data"/"dp" (default "fsdp" when there is one).
     """
-    captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}))
-    return plan_captured(captured, MeshSpec.of(mesh), device=device, training=training,
+    mesh = MeshSpec.of(mesh)
+    regime = Regime.of(mesh, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing,
+                       data_parallel=data_parallel)
+    spec = device_spec(device)
+    _check_precision(regime, spec)
+    captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}),
+                       param_dtype=regime.precision.param_dtype if regime.precision.mixed else None)
+    return plan_captured(captured, mesh, device=spec, training=training,
                          memory_budget=memory_budget, optimizer=optimizer, input_placements=input_placements,
-                         output_placements=output_placements, tie_layers=tie_layers)
+                         output_placements=output_placements, tie_layers=tie_layers, regime=regime)
 
 
 def plan_captured(captured: Captured, mesh: MeshSpec, *, device, training: bool, memory_budget: int | None,
                   optimizer: str | Optimizer = "adam", input_placements=None, output_placements=None,
-                  tie_layers: bool | None = None) -> Plan:
+                  tie_layers: bool | None = None, regime: Regime = Regime()) -> Plan:
     """The planning stages on an already captured graph: strategies, costs, solve, Plan."""
     spec = device_spec(device)
     budget = int(memory_budget if memory_budget is not None else 0.9 * spec.memory_bytes)
@@ -53,17 +68,48 @@ def plan_captured(captured: Captured, mesh: MeshSpec, *, device, training: bool,
     annotate(captured.gm, mesh, data_pins(captured, mesh, _fixed_inputs(captured, mesh, input_placements)),
              _output_placements(captured, mesh, output_placements))
     t1 = time.perf_counter()
-    ctx = CostContext(mesh, spec, training, optimizer_spec(optimizer))
+    ctx = CostContext(mesh, spec, training, optimizer_spec(optimizer), regime)
     problem = _problem(captured, ctx, tie_layers)
     t2 = time.perf_counter()
-    solution = solve(problem, budget)
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
+    policy = regime.recompute if training else "none"
+    chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
+                                  budget, solve)
+    problem, solution = chosen.problem, chosen.solution
     if solution is None:
-        raise infeasible_error(captured, problem, mesh, budget)
+        raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
     t3 = time.perf_counter()
     planned = with_traffic(assemble(captured, problem, solution, ctx, budget), captured)
+    planned = with_regime(planned, captured, ctx, chosen.layers)
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
                                             len(solution.cuts), solution.gap))
+
+
+def with_regime(plan: Plan, captured: Captured, ctx: CostContext, recomputed) -> Plan:
+    """The plan with its training regime, and FSDP's traffic: its bytes, and its time less what
+    compute hides (a layer's gathers are prefetched during the layer before; the first is not)."""
+    values = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.name in captured.params}
+    fsdp_s, fsdp_bytes = 0.0, 0
+    for name in captured.params:
+        local = local_shape(tuple(values[name].shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
+        s, b = ctx.fsdp_comm(math.prod(local) * values[name].dtype.itemsize, values[name].dtype.itemsize)
+        fsdp_s, fsdp_bytes = fsdp_s + float(s), fsdp_bytes + int(b)
+    step = plan.step_time
+    if fsdp_s:
+        compute = sum(n.compute_s for n in plan.nodes if n.kind != "param")
+        layers = max(len(repeated_layers(list(captured.gm.graph.nodes), captured.params)), 1)
+        step = step - fsdp_s + max(fsdp_s - compute, fsdp_s / layers)
+    return replace(plan, step_time=step, comm_bytes=plan.comm_bytes + fsdp_bytes,
+                   precision=ctx.regime.precision.describe(), recompute=tuple(recomputed),
+                   data_parallel=ctx.regime.data_parallel)
+
+
+def _check_precision(regime: Regime, spec: DeviceSpec) -> None:
+    dtype = regime.precision.param_dtype
+    if regime.precision.mixed and str(dtype).removeprefix("torch.") not in dict(spec.flops):
+        raise ValueError(f"mp_policy.param_dtype={dtype} cannot be computed in on device {spec.name!r}, whose "
+                         f"peak table lists {[name for name, _ in spec.flops]}: choose one of those dtypes")
 
 
 def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,

@@ -48,11 +48,17 @@ class Captured:
         return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in self.input_values]
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
-    """Export `model(*args, **kwargs)` into an ATen graph; a clear error if export fails."""
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+            param_dtype: torch.dtype | None = None) -> Captured:
+    """Export `model(*args, **kwargs)` into an ATen graph; a clear error if export fails.
+
+    `param_dtype`: capture as mixed precision runs the model (FSDP2's MixedPrecisionPolicy):
+    floating parameters and inputs in that dtype, buffers in their own.
+    """
     kwargs = kwargs or {}
     try:
-        with _no_kv_cache(model), _fake_meta_state(model, args, kwargs) as (args, kwargs), warnings.catch_warnings():
+        with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
+              warnings.catch_warnings()):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False).run_decompositions({})
@@ -89,31 +95,45 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
 
 
 @contextlib.contextmanager
-def _fake_meta_state(model: torch.nn.Module, args: tuple, kwargs: dict):
-    """Trace a model with meta parameters or buffers as if they lived on its inputs' device.
+def _stand_in_state(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype | None):
+    """Trace with fake stand-ins for meta state, and for every floating parameter in `param_dtype`.
 
     Meta state and real inputs do not mix in one trace; fake tensors on the inputs' device
-    stand in for the meta ones (no memory), and the meta originals are put back afterwards.
+    stand in for the meta ones (no memory), and the originals are put back afterwards. Under
+    mixed precision the floating inputs are cast too, as FSDP2 casts forward inputs.
     """
-    meta = [(table, name, t) for mod in model.modules() for table in (mod._parameters, mod._buffers)
-            for name, t in table.items() if t is not None and t.is_meta]
-    if not meta:
+    def replaced(t, is_param: bool) -> bool:
+        return t.is_meta or (is_param and param_dtype is not None and t.is_floating_point())
+
+    state = [(table, name, t) for mod in model.modules()
+             for table, is_param in ((mod._parameters, True), (mod._buffers, False))
+             for name, t in table.items() if t is not None and replaced(t, is_param)]
+    if not state:
         yield args, kwargs
         return
     real = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     device = real[0].device if real else torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}  # one stand-in per tensor: tied weights stay tied
-    for table, name, t in meta:
+    for table, name, t in state:
         if id(t) not in fakes:
+            cast = param_dtype if isinstance(t, nn.Parameter) and param_dtype and t.is_floating_point() else t.dtype
             with mode:
-                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=cast, device=device)
             fakes[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
         table[name] = fakes[id(t)]
+
+    def stand_in(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if param_dtype is not None and x.is_floating_point():
+            x = x.to(param_dtype)
+        return mode.from_tensor(x)
+
     try:
-        yield pytree.tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        yield pytree.tree_map(stand_in, (args, kwargs))
     finally:
-        for table, name, t in meta:
+        for table, name, t in state:
             table[name] = t
 
 

@@ -82,6 +82,9 @@ class Plan:
     step_time: float  # predicted seconds per step
     memory_budget: int | None = None
     peak_at: str = ""  # the program point of the peak ("backward of linear_3")
+    precision: str = "model dtype"  # how parameters compute (Precision.describe)
+    recompute: tuple[tuple[str, str], ...] = ()  # (layer, "selective" | "full") for each recomputed layer
+    data_parallel: str | None = None  # "fsdp" | "ddp" on the mesh's data axis
     stats: PlanStats | None = field(default=None, compare=False)
     explainer: Callable | None = field(default=None, compare=False, repr=False)
 
@@ -133,8 +136,24 @@ class Plan:
             f"predicted step {format_seconds(self.step_time)}, comm {format_bytes(self.comm_bytes)}/rank, "
             f"peak memory {format_bytes(self.memory_per_rank)}/rank{budget}"
             + (f" at the {self.peak_at}" if self.peak_at else "") + f"; {len(self.fallbacks)} fallback node(s)"
+            + f"\nprecision: {self.precision}; recompute: {self.recompute_summary()}"
+            + (f"; data axis: {self.data_parallel}" if self.data_parallel else "")
         )
         return tabulate(rows, headers=headers, tablefmt="simple") + "\n" + summary
+
+    def recompute_summary(self) -> str:
+        """"selective on model.layers.{0..31}" (x32), or "none"."""
+        if not self.recompute:
+            return "none"
+        by_policy: dict[str, list[str]] = {}
+        for layer, policy in self.recompute:
+            by_policy.setdefault(policy, []).append(layer)
+        parts = []
+        for policy, layers in by_policy.items():
+            prefix = layers[0].rsplit(".", 1)[0]
+            idx = [int(name.rsplit(".", 1)[1]) for name in layers]
+            parts.append(f"{policy} on {prefix}.{{{min(idx)}..{max(idx)}}} (x{len(layers)})")
+        return ", ".join(parts)
 
     def explain(self, node: str) -> str:
         """Every candidate strategy of `node` with its costs, why the chosen one won, and its formulas."""
@@ -161,6 +180,8 @@ class Plan:
             "output_placements": [pl(p) for p in self.output_placements],
             "memory_per_rank": self.memory_per_rank, "comm_bytes": self.comm_bytes,
             "step_time": self.step_time, "memory_budget": self.memory_budget, "peak_at": self.peak_at,
+            "precision": self.precision, "recompute": [list(r) for r in self.recompute],
+            "data_parallel": self.data_parallel,
             "nodes": [{**asdict(n), "inputs": [pl(p) for p in n.inputs],
                        "outputs": [pl(p) for p in n.outputs]} for n in self.nodes],
         }
@@ -188,6 +209,8 @@ class Plan:
             output_placements=tuple(pl(p) for p in d["output_placements"]),
             memory_per_rank=d["memory_per_rank"], comm_bytes=d["comm_bytes"],
             step_time=d["step_time"], memory_budget=d["memory_budget"], peak_at=d.get("peak_at", ""),
+            precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
+            data_parallel=d.get("data_parallel"),
         )
 
 

@@ -25,9 +25,11 @@ from ..mesh import MeshSpec
 from ..passes.redistribute import adjoint, redistribute_steps, step_input_numel
 from ..passes.strategies import Strategy, output_values, tensor_inputs
 from ..placements import Placements, local_shape
+from ..training import Regime, data_axis
 from .comm import bytes_sent, collective_time
 from .compute import op_kind, roofline_time
 from .devices import DeviceSpec
+from .liveness import ParamMemory
 from .memory import OPTIMIZERS, Optimizer, is_view
 
 
@@ -39,14 +41,39 @@ class CostContext:
     device: DeviceSpec
     training: bool
     optimizer: Optimizer = field(default=OPTIMIZERS["adam"])
+    regime: Regime = field(default=Regime())
 
     @property
     def coord0(self) -> tuple[int, ...]:
         return (0,) * self.mesh.ndim
 
     @property
-    def optimizer_states(self) -> int:
-        return self.optimizer.states
+    def fsdp_axis(self) -> int | None:
+        """The data axis FSDP shards the weights over (None: no FSDP, or one rank)."""
+        axis = data_axis(self.mesh) if self.regime.fsdp else None
+        return axis if axis is not None and self.mesh.sizes[axis] > 1 else None
+
+    def param_memory(self, itemsize: int) -> ParamMemory:
+        """What a parameter computed with `itemsize`-byte elements keeps, under this regime."""
+        axis = self.fsdp_axis
+        return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
+                              fsdp_ranks=self.mesh.sizes[axis] if axis is not None else 1)
+
+    def fsdp_comm(self, nbytes, itemsize: int):
+        """(seconds, bytes sent) of FSDP's traffic for a parameter of `nbytes` local compute bytes:
+        gathered for forward and again for backward, its gradient reduce-scattered."""
+        axis = self.fsdp_axis
+        if axis is None or not self.training:
+            return 0.0, 0
+        n, link = self.mesh.sizes[axis], self.link(axis)
+        grad_bytes = nbytes * self.regime.precision.reduce_itemsize(itemsize) / itemsize
+
+        def one(kind, b):
+            return collective_time(kind, b, n, link.latency_s, link.bandwidth, tree=self.device.tree_all_reduce)
+
+        time = 2 * one("all_gather", nbytes / n) + one("reduce_scatter", grad_bytes)
+        sent = 2 * nbytes * (n - 1) / n + grad_bytes * (n - 1) / n
+        return time, sent
 
     def link(self, axis: int):
         return self.device.axis_link(self.mesh.sizes, axis, self.mesh.axis_names[axis])
@@ -88,7 +115,9 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         sizes = ctx.mesh.sizes
         local = _local(tuple(val.shape), tuple(s.outputs[0] for s in strategies), sizes)
         nbytes = np.prod(local, axis=1) * val.dtype.itemsize
-        return NodeCosts(nbytes * (3 + 2 * ctx.optimizer.states) / ctx.device.memory_bandwidth)
+        masters = nbytes * ctx.param_memory(val.dtype.itemsize).state  # what the optimizer step reads
+        step = masters * (3 + 2 * ctx.optimizer.states) / ctx.device.memory_bandwidth
+        return NodeCosts(step + ctx.fsdp_comm(nbytes, val.dtype.itemsize)[0])
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)
     time = _default_times(node, tuple(strategies), ctx, grad)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import NamedTuple
@@ -33,6 +34,29 @@ from torch.fx import Node
 from ..passes.strategies import Strategy, output_values, tensor_inputs
 from ..placements import local_shape
 from .memory import Optimizer, Saved, is_view, saved_for_backward
+
+
+@dataclass(frozen=True)
+class ParamMemory:
+    """What a parameter keeps, per byte of the local shard the graph computes with.
+
+    Plain training: the weight, its gradient and the optimizer states, all in the model's dtype
+    (every scale 1). Mixed precision adds fp32 masters (the optimizer's) beside the low-precision
+    copy, and fp32 gradients and states. FSDP over `d` ranks keeps masters, gradients and
+    states sharded (1/d) and gathers the compute copy only while its readers run.
+    """
+
+    resident: float = 1.0  # bytes kept all step (the weight; or masters + compute copy)
+    grad: float = 1.0  # the gradient, from its first contribution to the optimizer step
+    state: float = 1.0  # each optimizer state tensor
+    gathered: bool = False  # FSDP: the compute copy lives only in its readers' forward and backward
+
+    @classmethod
+    def of(cls, itemsize: int, *, mixed: bool, fsdp_ranks: int) -> ParamMemory:
+        master = 4 / itemsize if mixed else 1.0  # fp32 masters per compute byte
+        if fsdp_ranks > 1:
+            return cls(master / fsdp_ranks, master / fsdp_ranks, master / fsdp_ranks, True)
+        return cls(master + (1.0 if mixed else 0.0), master, master, False)
 
 
 _LOSS_COPIES = 2.0  # tensors of output size a loss's backward makes besides the gradient (x.square().sum(): 2)
@@ -90,6 +114,11 @@ class MemoryModel:
     lin: list[LinearItem] = field(default_factory=list)
     maxes: list[MaxItem] = field(default_factory=list)
     pairs: list[PairItem] = field(default_factory=list)
+    # Items that keep an activation from forward to backward, by the node whose storage it is
+    # (what recomputation can free): index into lin / maxes / pairs -> node.
+    kept_lin: dict[int, int] = field(default_factory=dict)
+    kept_maxes: dict[int, int] = field(default_factory=dict)
+    kept_pairs: dict[int, int] = field(default_factory=dict)
     _ids: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -213,10 +242,14 @@ class _Vectors:
 
 def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
-                 kernel_saved: dict[int, np.ndarray] | None = None) -> MemoryModel:
+                 kernel_saved: dict[int, np.ndarray] | None = None,
+                 param_memory: Callable[[int], ParamMemory] | None = None,
+                 params: set[str] = frozenset()) -> MemoryModel:
     """The items of one step. `persistent`: parameter and buffer placeholders (live always);
-    `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default).
+    `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default);
+    `param_memory(itemsize)`: what each of `params` keeps (mixed precision, FSDP); None: plain training.
     """
+    param_memory = param_memory or (lambda itemsize: ParamMemory())
     model = MemoryModel([n.name for n in nodes], training)
     n = len(nodes)
     end = model.n_points - 1
@@ -239,11 +272,13 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
     numel = [sum(math.prod(v.shape) for v in output_values(node) if v is not None) for node in nodes]
 
     last_read = {r: fwd(r) for r in range(n)}
+    first_read: dict[int, int] = {}
     last_grad_read: dict[int, int] = {}
     for k, node in enumerate(nodes):
         for src, _ in tensor_inputs(node):
             r = root[index[src]]
             last_read[r] = max(last_read[r], fwd(k))
+            first_read.setdefault(r, fwd(k))
             if grad.get(src.name, False) and (node.op == "output" or grad.get(node.name, False)):
                 last_grad_read[r] = max(last_grad_read.get(r, -1), bwd(k))
 
@@ -277,6 +312,7 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             if persists and last_read[r] > fwd(k):
                 model.pairs.append(moved(none_src, model.vector(in_b), fwd(k) + 1, last_read[r]))
             elif keeps:  # a gathered parameter, saved for backward
+                model.kept_pairs[len(model.pairs)] = k
                 model.pairs.append(moved(none_src, model.vector(in_b), fwd(k) + 1, bwd(k)))
             if training and grad.get(node.name, False) and grad.get(src.name, False):
                 # backward: the input's gradient in this placement and the working copies moving it back
@@ -289,6 +325,7 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             hooked = kernel_saved[k]
             extra = np.where(np.isnan(hooked), extra if extra is not None else 0.0, hooked)
         if extra is not None and np.any(extra):
+            model.kept_lin[len(model.lin)] = k
             model.lin.append(LinearItem(k, model.vector(extra), fwd(k), bwd(k), 1.0))
 
     for i, node in enumerate(nodes):
@@ -296,11 +333,18 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             continue
         v = model.vector(out_bytes[i])
         if node.name in persistent:
-            model.lin.append(LinearItem(i, v, 0, end, 1.0))
+            pm = param_memory(output_values(node)[0].dtype.itemsize) if node.name in params else ParamMemory()
+            model.lin.append(LinearItem(i, v, 0, end, pm.resident))
+            if pm.gathered and i in first_read:  # FSDP: gathered for its readers' forward, and backward
+                model.lin.append(LinearItem(i, v, first_read[i], last_read[i], 1.0))
+                if training and grad.get(node.name, False):
+                    model.lin.append(LinearItem(i, v, bwd(last_read[i]), bwd(first_read[i]), 1.0))
             if training and grad.get(node.name, False):
-                model.lin.append(LinearItem(i, v, 0, end, float(optimizer.states)))
+                model.lin.append(LinearItem(i, v, 0, end, optimizer.states * pm.state))
                 if i in last_grad_read:
-                    model.lin.append(LinearItem(i, v, last_grad_read[i], end, 1.0))
+                    if pm.gathered:  # the unsharded gradient, until its reduce-scatter
+                        model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(first_read[i]), 1.0))
+                    model.lin.append(LinearItem(i, v, last_grad_read[i], end, pm.grad))
             continue
         model.lin.append(LinearItem(i, v, fwd(i), last_read[i], 1.0))
         saved_by = savers.get(i, [])
@@ -308,13 +352,16 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             first = min(k for k, _, _ in saved_by)
             if len(saved_by) == 1:
                 k, sv, scale = saved_by[0]
+                model.kept_lin[len(model.lin)] = i
                 model.lin.append(LinearItem(k, sv, last_read[i] + 1, bwd(first), scale))
             else:
+                model.kept_maxes[len(model.maxes)] = i
                 model.maxes.append(MaxItem(tuple(saved_by), last_read[i] + 1, bwd(first)))
         if training and grad.get(node.name, False) and i in last_grad_read:
             model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(i), 1.0))
     if training and optimizer.temporaries:
-        members = tuple(Member(i, model.vector(out_bytes[i]), float(optimizer.temporaries))
+        members = tuple(Member(i, model.vector(out_bytes[i]),
+                               optimizer.temporaries * param_memory(output_values(node)[0].dtype.itemsize).state)
                         for i, node in enumerate(nodes) if node.name in persistent and grad.get(node.name, False))
         if members:  # one parameter at a time: the largest
             model.maxes.append(MaxItem(members, end, end))

@@ -10,7 +10,8 @@ from ..plan import format_bytes
 from .problem import Problem
 
 
-def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budget: int) -> ValueError:
+def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budget: int,
+                     recompute: str = "none") -> ValueError:
     """No strategy choice fits the budget: say how far off, and which tensors weigh most."""
     mem = problem.memory
     own = mem.own_bytes([len(s) for s in problem.strategies])
@@ -24,6 +25,9 @@ def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budge
         f"the layout that gives every node its smallest shards needs {format_bytes(peak)} per rank (peak at "
         f"the {mem.describe(point)}). "
         f"Largest even when sharded as far as the mesh allows (with gradients and optimizer state): "
-        f"{listing}. Relax one of: a bigger mesh (more ranks to shard over), a larger memory_budget, "
-        f"a smaller sample or batch, or training=False if no backward pass is needed."
+        f"{listing}. "
+        + (f"Recomputation was tried (activation_checkpointing={recompute!r}). " if recompute != "none" else
+           "Try activation_checkpointing='auto' (or 'full'), which recomputes activations instead of keeping them. ")
+        + "Relax one of: a bigger mesh (more ranks to shard over), a larger memory_budget, "
+        "a smaller sample or batch, or training=False if no backward pass is needed."
     )

@@ -9,42 +9,21 @@ and it makes the problem as small as one layer of each class.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 import numpy as np
 import torch
 from torch.fx import Node
 
+from ..modules import layer_of, module_path
 from ..passes.strategies import Strategy, output_values, tensor_inputs
-
-_INDEX = re.compile(r"\[(\d+)\]")
-
-
-def layer_of(path: str) -> tuple[str, int] | None:
-    """("model.layers", 3) for "model.layers.3.mlp.up_proj" (the outermost numbered module)."""
-    parts = _INDEX.sub(r".\1", path.replace("L['self'].", "")).split(".")
-    for k, part in enumerate(parts):
-        if part.isdigit() and k > 0:
-            return ".".join(parts[:k]), int(part)
-    return None
-
-
-def _path(node: Node, params: dict[str, str]) -> str | None:
-    if node.op == "placeholder":
-        return params.get(node.name)
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    return list(stack.values())[-1][0]
-
 
 def tie_groups(nodes: list[Node], strategies: list[list[Strategy]], params: dict[str, str]) -> np.ndarray:
     """Group id per node: tied nodes of repeated layers share one, every other node has its own."""
     runs: dict[tuple[str, int], list[int]] = defaultdict(list)
     outside = []
     for i, node in enumerate(nodes):
-        path = _path(node, params)
+        path = module_path(node, params)
         layer = layer_of(path) if path else None
         if layer is not None:
             runs[layer].append(i)

@@ -106,18 +106,26 @@ def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], gra
         dst = strategies[index[node]]
         for k, (src, o) in enumerate(tensor_inputs(node)):
             val = output_values(src)[o]
-            key = (id(strategies[index[src]]), o, id(dst), k, grad[src.name], tuple(val.shape), val.dtype)
+            key = (id(strategies[index[src]]), o, id(dst), k, grad[src.name], tuple(val.shape), val.dtype,
+                   src.name in params)
+            fsdp = ctx.fsdp_axis if src.name in params else None  # FSDP sums these gradients itself
             if key not in cache:
                 cache[key] = edge_costs(val, _outputs(strategies[index[src]], o),
                                         tuple(s.inputs[k] for s in dst),
-                                        tuple(consumer_partial_axes(s, k) for s in dst), grad[src.name], ctx)
+                                        tuple(_without(consumer_partial_axes(s, k), fsdp) for s in dst),
+                                        grad[src.name], ctx)
             edges.append(Edge(index[src], index[node], k, cache[key]))
     memory = build_memory(nodes, strategies, ctx.mesh.sizes, training=ctx.training, grad=grad,
-                          persistent=persistent, optimizer=ctx.optimizer, kernel_saved=kernel_saved)
+                          persistent=persistent, optimizer=ctx.optimizer, kernel_saved=kernel_saved,
+                          param_memory=ctx.param_memory, params=set(params))
     if tie_layers is None:
         tie_layers = sum(len(s) for s in strategies) > TIE_ABOVE
     group = tie_groups(nodes, strategies, params) if tie_layers else np.arange(len(nodes))
     return Problem([n.name for n in nodes], strategies, times, edges, memory, group)
+
+
+def _without(partial: tuple[bool, ...], axis: int | None) -> tuple[bool, ...]:
+    return partial if axis is None else tuple(p and a != axis for a, p in enumerate(partial))
 
 
 def _outputs(strategies: list[Strategy], o: int) -> tuple:

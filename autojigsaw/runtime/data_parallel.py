@@ -17,8 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 from ..capture import Captured
 from ..mesh import MeshSpec
 from ..placements import Placements
+from ..training import DATA_AXIS_NAMES
 
-DATA_AXIS_NAMES = ("data", "dp")
 
 
 def data_axes(mesh: MeshSpec) -> tuple[int, ...]:

@@ -1,0 +1,120 @@
+"""Activation recomputation: the memory a policy frees and the time it adds, per repeated layer.
+
+A recomputed layer keeps its input and drops what its nodes saved for backward at the end of
+its forward; at the start of its backward it runs its forward again, so those activations
+come back for the layer's backward only. "full" recomputes every node of the layer (its
+collectives too); "selective" keeps matmul and attention outputs and recomputes the rest, and
+keeps the outputs of collectives (torchtitan's op-level policy). Items are split, not
+re-derived: the memory model stays the one the solver already trusts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import numpy as np
+from torch.fx import Node
+
+from ..modules import layer_of, module_path
+from .compute import ATTENTION, MATMULS, backward_factor
+from .liveness import LinearItem, MaxItem, MemoryModel, PairItem
+
+SELECTIVE_KEEPS = MATMULS | ATTENTION
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One repeated layer: its nodes (indices into the planner's node list), in order."""
+
+    name: str
+    nodes: tuple[int, ...]
+    boundary: frozenset[int]  # nodes whose output is read after the layer: kept, never recomputed
+
+    @property
+    def first(self) -> int:
+        return self.nodes[0]
+
+    @property
+    def last(self) -> int:
+        return self.nodes[-1]
+
+
+def repeated_layers(nodes: list[Node], params: dict[str, str]) -> list[Layer]:
+    """The layers of the model's longest stack of numbered modules (model.layers.0 ... .31)."""
+    runs: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for i, node in enumerate(nodes):
+        if node.op != "call_function":
+            continue
+        path = module_path(node, params)
+        layer = layer_of(path) if path else None
+        if layer is not None:
+            runs[layer].append(i)
+    by_stack: dict[str, list[tuple[int, list[int]]]] = defaultdict(list)
+    for (prefix, idx), run in runs.items():
+        by_stack[prefix].append((idx, run))
+    if not by_stack:
+        return []
+    prefix, members = max(by_stack.items(), key=lambda kv: len(kv[1]))
+    index = {node: i for i, node in enumerate(nodes)}
+    layers = []
+    for idx, run in sorted(members):
+        inside = set(run)
+        boundary = frozenset(i for i in run if any(index.get(u, -1) > run[-1] for u in nodes[i].users))
+        layers.append(Layer(f"{prefix}.{idx}", tuple(sorted(inside)), boundary))
+    return layers
+
+
+def recomputed_nodes(layer: Layer, nodes: list[Node], policy: str) -> frozenset[int]:
+    """The nodes of `layer` whose activations `policy` drops and recomputes."""
+    if policy == "none":
+        return frozenset()
+    keep = set(layer.boundary)
+    if policy == "selective":
+        keep |= {i for i in layer.nodes if nodes[i].target in SELECTIVE_KEEPS}
+    return frozenset(i for i in layer.nodes if i not in keep)
+
+
+def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[frozenset[int]],
+                   collectives_saved: bool) -> MemoryModel:
+    """The memory model with each layer's dropped activations freed between its forward and backward.
+
+    `dropped[j]`: the nodes of layers[j] recomputed; `collectives_saved`: gathered copies stay.
+    """
+    n = len(memory.names)
+    owner_layer = {i: j for j, d in enumerate(dropped) for i in d}
+    gap = {j: (layers[j].last, 2 * n - 1 - layers[j].last) for j in range(len(layers))}
+
+    def split(item, owner: int | None):
+        j = owner_layer.get(owner) if owner is not None else None
+        if j is None:
+            return [item]
+        end_fwd, start_bwd = gap[j]
+        if not (item.start <= end_fwd and item.end >= start_bwd):
+            return [item]
+        return [x for x in (replace_span(item, item.start, end_fwd), replace_span(item, start_bwd, item.end))
+                if x.start <= x.end]
+
+    lin, kept_lin = [], {}
+    for k, item in enumerate(memory.lin):
+        for piece in split(item, memory.kept_lin.get(k)):
+            lin.append(piece)
+    maxes = [piece for k, item in enumerate(memory.maxes) for piece in split(item, memory.kept_maxes.get(k))]
+    pairs = [piece for k, item in enumerate(memory.pairs)
+             for piece in (split(item, memory.kept_pairs.get(k)) if not collectives_saved else [item])]
+    out = MemoryModel(memory.names, memory.training, memory.vectors, lin, maxes, pairs, kept_lin)
+    out._ids = memory._ids
+    return out
+
+
+def replace_span(item, start: int, end: int):
+    """The same item over another interval of program points."""
+    if isinstance(item, LinearItem):
+        return item._replace(start=start, end=end)
+    assert isinstance(item, (MaxItem, PairItem))
+    return replace(item, start=start, end=end)
+
+
+def recompute_time(times: list[np.ndarray], nodes: list[Node], dropped: frozenset[int]) -> dict[int, np.ndarray]:
+    """The forward time each recomputed node adds, per strategy (a node's time includes its backward)."""
+    return {i: times[i] / (1.0 + backward_factor(nodes[i].target)) for i in dropped}

@@ -1,0 +1,84 @@
+"""Recomputation chosen with the sharding: per layer, none, selective or full, under the budget.
+
+For a policy, recomputing the first k repeated layers frees their saved activations at the
+peak (the end of the forward, where every layer's are live) and adds their forward time
+again; which k does not matter for the peak, only how many, and earlier layers' activations
+live longest. "auto" solves the sharding for no recomputation, and for each policy at the
+fewest layers that fit (bisection: fitting is monotone in k) and at every layer, and keeps
+the fastest plan: recomputation is chosen per layer, jointly with the sharding, in a handful
+of MILPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from torch.fx import Node
+
+from ..cost_model.estimate import EdgeCosts
+from ..cost_model.recompute import Layer, recompute_time, recomputed_nodes, repeated_layers, with_recompute
+from .milp import Solution
+from .problem import Problem
+
+POLICIES = ("selective", "full")
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """A solved problem with its recomputation: (layer name, policy) for each recomputed layer."""
+
+    problem: Problem
+    solution: Solution | None
+    layers: tuple[tuple[str, str], ...] = ()
+
+
+def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, str], policy: str,
+                         budget: float | None, solve: Callable[[Problem, float | None], Solution | None]) -> Recomputed:
+    """The best plan under `policy` ("none", "selective", "full" or "auto")."""
+    layers = repeated_layers(nodes, params)
+    if policy == "none" or not layers:
+        return Recomputed(problem, solve(problem, budget))
+
+    def attempt(pol: str, k: int) -> Recomputed:
+        p, chosen = variant(problem, nodes, layers, pol, k)
+        return Recomputed(p, solve(p, budget), chosen)
+
+    if policy in POLICIES:
+        return attempt(policy, len(layers))
+    tried = [Recomputed(problem, solve(problem, budget))]
+    for pol in POLICIES:
+        every = attempt(pol, len(layers))
+        tried.append(every)
+        if every.solution is None or tried[0].solution is not None:
+            continue  # nothing fits, or no recomputation already fits: fewer layers would not help memory
+        lo, hi, best = 0, len(layers), every  # fits at hi, not at lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            r = attempt(pol, mid)
+            if r.solution is not None:
+                hi, best = mid, r
+            else:
+                lo = mid
+        tried.append(best)
+    feasible = [r for r in tried if r.solution is not None]
+    return min(feasible, key=lambda r: r.solution.objective) if feasible else tried[0]
+
+
+def variant(problem: Problem, nodes: list[Node], layers: list[Layer], policy: str, k: int):
+    """The problem with the first `k` layers recomputed under `policy`, and their names."""
+    dropped = [recomputed_nodes(layer, nodes, policy) if j < k else frozenset() for j, layer in enumerate(layers)]
+    time = list(problem.time)
+    for d in dropped:
+        for i, extra in recompute_time(problem.time, nodes, d).items():
+            time[i] = time[i] + extra
+    edges = problem.edges
+    if policy == "full":  # the forward collectives into recomputed nodes run again
+        again = frozenset().union(*dropped)
+        edges = [replace(e, costs=EdgeCosts(e.costs.time * 1.5, e.costs.bytes)) if e.dst in again else e
+                 for e in edges]
+    memory = with_recompute(problem.memory, layers, dropped, collectives_saved=policy == "selective")
+    return replace(problem, time=time, edges=edges, memory=memory), tuple((layers[j].name, policy) for j in range(k))
+
+
+__all__ = ["Recomputed", "solve_with_recompute"]

@@ -1,0 +1,108 @@
+"""How a model is trained, as the planner prices it: mixed precision, recomputation, data parallelism.
+
+Plain, checked data shared by every stage: `Precision` reads torch's own FSDP2
+`MixedPrecisionPolicy`; `Recompute` is torchtitan's vocabulary ("selective" keeps matmul and
+attention outputs and recomputes the rest, "full" keeps only a layer's input); `DataParallel`
+says what a mesh axis named "data"/"dp" does with the weights ("fsdp" shards them, parameters,
+gradients and optimizer state, "ddp" keeps them whole and all-reduces gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .mesh import MeshSpec
+
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+DATA_PARALLEL_CHOICES = ("fsdp", "ddp")
+DATA_AXIS_NAMES = ("data", "dp")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Parameter dtypes: `param_dtype` to compute in (None: the model's own), fp32 masters, sums in `reduce_dtype`."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, policy) -> Precision:
+        """From None, a Precision, or torch.distributed.fsdp.MixedPrecisionPolicy (same field names)."""
+        if policy is None:
+            return cls()
+        if isinstance(policy, Precision):
+            return policy
+        try:
+            out = cls(policy.param_dtype, policy.reduce_dtype, getattr(policy, "output_dtype", None))
+        except AttributeError:
+            raise ValueError(f"mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=..., "
+                             f"reduce_dtype=...) or None, got {policy!r}") from None
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(out, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"mp_policy.{name} must be a floating torch.dtype or None, got {dtype!r}")
+        return out
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the parameters compute in another dtype than the fp32 masters the optimizer keeps."""
+        return self.param_dtype is not None and self.param_dtype != torch.float32
+
+    def reduce_itemsize(self, itemsize: int) -> int:
+        """Bytes per element of a gradient sum for a parameter of `itemsize`-byte elements."""
+        if not self.mixed:
+            return itemsize
+        return (self.reduce_dtype or self.param_dtype).itemsize
+
+    def describe(self) -> str:
+        if not self.mixed:
+            return "model dtype"
+        reduce = self.reduce_dtype or self.param_dtype
+        return f"{_short(self.param_dtype)} compute, fp32 masters, {_short(reduce)} gradient sums"
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}.get(
+        dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class Regime:
+    """The training regime a plan is made for: precision, recomputation policy, data parallelism."""
+
+    precision: Precision = Precision()
+    recompute: str = "none"
+    data_parallel: str | None = None  # "fsdp" | "ddp" on the mesh's data axis; None: no data axis
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"activation_checkpointing={self.recompute!r} is not a policy; choose one of "
+                             f"{RECOMPUTE_CHOICES} ('auto' lets the planner choose per layer)")
+        if self.data_parallel not in (None, *DATA_PARALLEL_CHOICES):
+            raise ValueError(f"data_parallel={self.data_parallel!r}: choose one of {DATA_PARALLEL_CHOICES}, "
+                             "or None when the mesh has no data axis")
+
+    @classmethod
+    def of(cls, mesh: MeshSpec, *, mp_policy=None, activation_checkpointing: str = "none",
+           data_parallel: str | None = None) -> Regime:
+        """The regime for `mesh`, checked: data_parallel defaults to "fsdp" when the mesh has a data axis."""
+        axis = data_axis(mesh)
+        if data_parallel is None and axis is not None:
+            data_parallel = "fsdp"
+        if data_parallel is not None and axis is None:
+            raise ValueError(f"data_parallel={data_parallel!r} needs a mesh axis named one of {DATA_AXIS_NAMES}, "
+                             f"but the mesh's axes are {mesh.axis_names}: rename the batch axis, or leave "
+                             "data_parallel=None")
+        return cls(Precision.of(mp_policy), activation_checkpointing, data_parallel)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.data_parallel == "fsdp"
+
+
+def data_axis(mesh: MeshSpec) -> int | None:
+    """The position of the mesh's data-parallel axis, if it has one."""
+    return next((a for a, name in enumerate(mesh.axis_names) if name in DATA_AXIS_NAMES), None)
