@@ -13,7 +13,8 @@ from .runtime.module import ParallelModule
 def parallelize(model, mesh, example_inputs=None, *, compile: bool = True, training: bool = True,
                 memory_budget: int | None = None, device: str | DeviceSpec | None = None,
                 input_placements=None, output_placements=None, example_kwargs=None,
-                plan: Plan | None = None) -> ParallelModule:
+                plan: Plan | None = None, mp_policy=None, activation_checkpointing: str = "none",
+                data_parallel: str | None = None) -> ParallelModule:
     """Shard `model` over `mesh` (a named DeviceMesh) by a plan; returns the module to train.
 
     With example_inputs=None the model is planned at its first call, like torch.compile.
@@ -21,7 +22,8 @@ def parallelize(model, mesh, example_inputs=None, *, compile: bool = True, train
     return ParallelModule(model, mesh, example_inputs, example_kwargs, compile=compile,
                           training=training, memory_budget=memory_budget, device=device,
                           input_placements=input_placements, output_placements=output_placements,
-                          plan=plan)
+                          plan=plan, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing,
+                          data_parallel=data_parallel)
 
 
 __all__ = ["MeshSpec", "NodeSharding", "ParallelModule", "Plan", "calibrate", "evaluate", "load_shard", "meta_init", "parallelize", "plan",

@@ -21,11 +21,11 @@ from .passes.rewrite import RankView, rewrite
 from .passes.strategies import annotate
 from .placements import Placements, local_shape, normalize
 from .plan import Plan, PlanStats
-from .training import Regime
+from .training import Precision, Regime
 from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
-from .planner.recompute import solve_with_recompute
+from .planner.recompute import solve_with_recompute, with_layers_recomputed
 from .runtime.data_parallel import data_pins
 
 
@@ -113,15 +113,24 @@ def _check_precision(regime: Regime, spec: DeviceSpec) -> None:
 
 
 def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,
-             optimizer: str | Optimizer = "adam", example_kwargs: Mapping | None = None) -> Plan:
-    """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans."""
-    captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}))
+             optimizer: str | Optimizer = "adam", example_kwargs: Mapping | None = None, mp_policy=None) -> Plan:
+    """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans.
+
+    The plan's recomputed layers (`plan.recompute`, editable) and data-parallel mode are priced
+    as given; `mp_policy` as in `plan`.
+    """
+    regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel)
+    captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}),
+                       param_dtype=regime.precision.param_dtype if regime.precision.mixed else None)
     fixed = {name: pl for name, pl in zip(captured.inputs, plan.input_placements) if pl is not None}
     annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
-    ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer))
+    ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer), regime)
     problem = _problem(captured, ctx, tie_layers=False)
-    return with_traffic(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
-                        captured)
+    nodes = [next(n for n in captured.gm.graph.nodes if n.name == name) for name in problem.names]
+    problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
+    evaluated = with_traffic(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
+                             captured)
+    return with_regime(evaluated, captured, ctx, plan.recompute)
 
 
 def with_traffic(plan: Plan, captured: Captured) -> Plan:

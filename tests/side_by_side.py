@@ -63,16 +63,13 @@ def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *,
           fsdp: bool = False) -> dict:
     """`steps` Adam steps of the parallel and the single-device model; the largest differences.
 
-    `fsdp`: FSDP2 then shards the weights over the mesh's "data" axis.
+    `fsdp`: parallelize shards the weights over the mesh's "data" axis with FSDP2 (else DDP).
     """
     ref, inputs = build(name, dtype=dtype, dropout=dropout)
     mesh = get_mesh(mesh_shape, axes)
+    data_parallel = ("fsdp" if fsdp else "ddp") if "data" in axes else None
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), mesh, inputs, compile=False,
-                                    plan=Plan.from_json(plan) if plan else None)
-    if fsdp:
-        from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
-
-        fully_shard(pmodel, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="data"))
+                                    plan=Plan.from_json(plan) if plan else None, data_parallel=data_parallel)
     opt = torch.optim.Adam(pmodel.parameters(), lr=1e-2)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     diffs = {"output": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "scale": 0.0, "grad_scale": 0.0}

@@ -76,10 +76,11 @@ def recomputed_nodes(layer: Layer, nodes: list[Node], policy: str) -> frozenset[
 
 
 def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[frozenset[int]],
-                   collectives_saved: bool) -> MemoryModel:
+                   resaved: frozenset[int]) -> MemoryModel:
     """The memory model with each layer's dropped activations freed between its forward and backward.
 
-    `dropped[j]`: the nodes of layers[j] recomputed; `collectives_saved`: gathered copies stay.
+    `dropped[j]`: the nodes of layers[j] recomputed; `resaved`: those whose gathered inputs are
+    gathered again (full recomputation) rather than kept.
     """
     n = len(memory.names)
     owner_layer = {i: j for j, d in enumerate(dropped) for i in d}
@@ -101,7 +102,7 @@ def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[froze
             lin.append(piece)
     maxes = [piece for k, item in enumerate(memory.maxes) for piece in split(item, memory.kept_maxes.get(k))]
     pairs = [piece for k, item in enumerate(memory.pairs)
-             for piece in (split(item, memory.kept_pairs.get(k)) if not collectives_saved else [item])]
+             for piece in (split(item, memory.kept_pairs.get(k)) if memory.kept_pairs.get(k) in resaved else [item])]
     out = MemoryModel(memory.names, memory.training, memory.vectors, lin, maxes, pairs, kept_lin)
     out._ids = memory._ids
     return out

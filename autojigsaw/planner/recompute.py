@@ -67,18 +67,28 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
 
 def variant(problem: Problem, nodes: list[Node], layers: list[Layer], policy: str, k: int):
     """The problem with the first `k` layers recomputed under `policy`, and their names."""
-    dropped = [recomputed_nodes(layer, nodes, policy) if j < k else frozenset() for j, layer in enumerate(layers)]
+    chosen = tuple((layers[j].name, policy) for j in range(k))
+    return with_layers_recomputed(problem, nodes, layers, chosen), chosen
+
+
+def with_layers_recomputed(problem: Problem, nodes: list[Node], layers: list[Layer],
+                           chosen: tuple[tuple[str, str], ...]) -> Problem:
+    """The problem with each (layer name, policy) of `chosen` recomputed."""
+    policy_of = dict(chosen)
+    unknown = set(policy_of) - {layer.name for layer in layers}
+    if unknown:
+        raise ValueError(f"the plan recomputes layers {sorted(unknown)}, which this model does not have; plan it again")
+    dropped = [recomputed_nodes(layer, nodes, policy_of.get(layer.name, "none")) for layer in layers]
     time = list(problem.time)
     for d in dropped:
         for i, extra in recompute_time(problem.time, nodes, d).items():
             time[i] = time[i] + extra
-    edges = problem.edges
-    if policy == "full":  # the forward collectives into recomputed nodes run again
-        again = frozenset().union(*dropped)
-        edges = [replace(e, costs=EdgeCosts(e.costs.time * 1.5, e.costs.bytes)) if e.dst in again else e
-                 for e in edges]
-    memory = with_recompute(problem.memory, layers, dropped, collectives_saved=policy == "selective")
-    return replace(problem, time=time, edges=edges, memory=memory), tuple((layers[j].name, policy) for j in range(k))
+    # under "full" the forward collectives into recomputed nodes run again; "selective" keeps their outputs
+    again = frozenset().union(*(d for d, layer in zip(dropped, layers) if policy_of.get(layer.name) == "full"))
+    edges = [replace(e, costs=EdgeCosts(e.costs.time * 1.5, e.costs.bytes)) if e.dst in again else e
+             for e in problem.edges]
+    memory = with_recompute(problem.memory, layers, dropped, resaved=again)
+    return replace(problem, time=time, edges=edges, memory=memory)
 
 
 __all__ = ["Recomputed", "solve_with_recompute"]

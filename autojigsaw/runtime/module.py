@@ -23,9 +23,12 @@ from ..capture import capture
 from ..dtypes import value_carries_grad
 from ..kernels.collectives import shard_slice
 from ..mesh import MeshSpec
+from ..passes.recompute import checkpoint_layers
 from ..passes.rewrite import RankView, rewrite
 from ..placements import local_shape
 from ..plan import Plan
+from ..training import Regime, data_axis
+from .data_parallel import shard_over_data_axis
 from .init import forget
 from .materialize import local_view, materialize_buffers, shard_parameters
 
@@ -36,7 +39,8 @@ class ParallelModule(nn.Module):
     def __init__(self, model: nn.Module, mesh, example_inputs=None, example_kwargs=None, *,
                  compile: bool = True, training: bool = True, memory_budget: int | None = None,
                  device=None, input_placements=None, output_placements=None,
-                 plan: Plan | None = None):
+                 plan: Plan | None = None, mp_policy=None, activation_checkpointing: str = "none",
+                 data_parallel: str | None = None):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -47,6 +51,9 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_model", model)
         self.device_mesh = mesh
         self.mesh = MeshSpec.of(mesh)
+        self.regime = Regime.of(self.mesh, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing,
+                                data_parallel=data_parallel if plan is None or data_parallel else plan.data_parallel)
+        self._mp_policy = mp_policy
         self._options = dict(compile=compile, training=training, memory_budget=memory_budget,
                              device=device or _device_of(mesh), input_placements=input_placements,
                              output_placements=output_placements)
@@ -54,18 +61,23 @@ class ParallelModule(nn.Module):
         self._program = None
         if example_inputs is not None:
             self._build(tuple(example_inputs), dict(example_kwargs or {}))
+            shard_over_data_axis(self, mesh, self.regime, mp_policy)
+        elif self.regime.fsdp and self.mesh.sizes[data_axis(self.mesh)] > 1:
+            raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass "
+                             "example_inputs to parallelize, or data_parallel='ddp' to plan at the first call")
 
     # ------------------------------------------------------------ building
 
     def _build(self, args: tuple, kwargs: dict) -> None:
         _check_group(self.device_mesh, self.mesh)
         opts = self._options
-        captured = capture(self._model, args, kwargs)
+        precision = self.regime.precision
+        captured = capture(self._model, args, kwargs, param_dtype=precision.param_dtype if precision.mixed else None)
         if self.plan is None:
             self.plan = plan_captured(captured, self.mesh, device=opts["device"], training=opts["training"],
                                       memory_budget=opts["memory_budget"],
                                       input_placements=opts["input_placements"],
-                                      output_placements=opts["output_placements"])
+                                      output_placements=opts["output_placements"], regime=self.regime)
         elif self.plan.mesh != self.mesh:
             raise ValueError(f"the plan was made for mesh {self.plan.mesh.describe()} but the module "
                              f"runs on {self.mesh.describe()}: plan again for this mesh")
@@ -83,6 +95,7 @@ class ParallelModule(nn.Module):
         differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values)
                                    if value_carries_grad(v))
         gm = rewrite(captured, self.plan, self._rank, training=opts["training"], inputs_with_grad=differentiable)
+        gm = checkpoint_layers(gm, captured, self.plan)
         self._captured = captured
         self._graph = gm
         self._program = torch.compile(gm, fullgraph=True) if opts["compile"] else gm
@@ -103,7 +116,7 @@ class ParallelModule(nn.Module):
             if node.op != "placeholder":
                 continue
             if node.name in captured.params:
-                feeds.append(self._model.get_parameter(captured.params[node.name]).to_local())
+                feeds.append(self._compute_copy(self._model.get_parameter(captured.params[node.name]).to_local()))
             elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
                 # The module's own buffer (made real from meta, or loaded) over export's copy of it.
                 buf = self._model.get_buffer(captured.buffers[node.name])
@@ -113,7 +126,17 @@ class ParallelModule(nn.Module):
             else:
                 feeds.append(next(inputs))
         outs = self._program(*feeds)
+        out_dtype = self.regime.precision.output_dtype
+        if out_dtype is not None:
+            outs = [o.to(out_dtype) if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in outs]
         return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+    def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A floating parameter or input in the dtype the graph computes in (mixed precision)."""
+        precision = self.regime.precision
+        if precision.mixed and t.is_floating_point():
+            return t.to(precision.param_dtype)  # differentiable: the gradient comes back in t's dtype
+        return t
 
     def _local_inputs(self, flat: list) -> list:
         """The user's inputs as the graph wants them: this rank's shards."""
@@ -130,7 +153,7 @@ class ParallelModule(nn.Module):
                 raise ValueError(f"input {name!r} has shape {tuple(x.shape)} but the plan expects "
                                  f"{what} of shape {tuple(want)}: pass inputs shaped like the example "
                                  "inputs, or parallelize again for the new shape")
-            out.append(x if given_local else _slice(x, pl, self._rank))
+            out.append(self._compute_copy(x if given_local else _slice(x, pl, self._rank)))
         return out
 
 

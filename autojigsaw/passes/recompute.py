@@ -1,0 +1,82 @@
+"""Recomputation at run time: the layers a plan recomputes run under torch.utils.checkpoint.
+
+The rewritten graph is split (torch.fx split_module) into runs of nodes that serve one
+recomputed layer and runs that serve none; each layer's submodule is called through
+non-reentrant checkpoint. "full" keeps only the layer's inputs; "selective" keeps the outputs
+of matmuls, attention and collectives (torchtitan's op-level policy, via
+create_selective_checkpoint_contexts) and recomputes the rest. Every rank recomputes the same
+layers in the same order, so collectives inside a recomputed layer still meet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..capture import Captured
+from ..modules import layer_of, module_path
+from ..plan import Plan
+from .meta import ORIGIN
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+# What "selective" keeps (torchtitan's save list): matmul and attention outputs, collectives.
+SAVED_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_cudnn_attention.default,
+    c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default,
+    c10d.all_to_all_single.default, c10d.wait_tensor.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed(nn.Module):
+    """A layer's submodule, run under non-reentrant checkpoint with the plan's policy."""
+
+    def __init__(self, module: nn.Module, policy: str):
+        super().__init__()
+        self.module, self.policy = module, policy
+
+    def forward(self, *args):
+        if self.policy == "selective":
+            context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+            return checkpoint(self.module, *args, use_reentrant=False, context_fn=context)
+        return checkpoint(self.module, *args, use_reentrant=False)
+
+
+def checkpoint_layers(gm: GraphModule, captured: Captured, plan: Plan) -> GraphModule:
+    """`gm` with each layer the plan recomputes run through checkpoint (unchanged if none)."""
+    policy_of = dict(plan.recompute)
+    if not policy_of:
+        return gm
+    layer_of_origin = {}
+    for node in captured.gm.graph.nodes:
+        path = module_path(node, captured.params) if node.op == "call_function" else None
+        layer = layer_of(path) if path else None
+        if layer is not None and f"{layer[0]}.{layer[1]}" in policy_of:
+            layer_of_origin[node.name] = f"{layer[0]}.{layer[1]}"
+    partition, runs, current = {}, [], None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        layer = layer_of_origin.get(node.meta.get(ORIGIN))
+        if not runs or layer != current:
+            runs.append(layer)
+            current = layer
+        partition[node] = len(runs) - 1
+    split = split_module(gm, gm, lambda node: partition[node], keep_original_order=True)
+    for k, layer in enumerate(runs):
+        if layer is not None:
+            name = f"submod_{k}"
+            setattr(split, name, Checkpointed(getattr(split, name), policy_of[layer]))
+    return split

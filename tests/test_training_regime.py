@@ -1,0 +1,176 @@
+"""The runs people launch: mixed precision, recomputation and FSDP, planned and run, against one device.
+
+Recomputation is a planner decision (none / selective / full / auto per layer) and a runtime
+one (checkpointed layers): gradients equal those without it, and the measured peak memory
+(MemTracker) drops as the plan predicts. Mixed precision keeps fp32 masters (the DTensors the
+optimizer sees) and computes in bf16. FSDP on a data axis is priced (sharded states, gathers).
+"""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import autojigsaw
+from autojigsaw import Plan
+from autojigsaw.cost_model.liveness import ParamMemory
+from autojigsaw.local_ranks import get_mesh
+
+from .side_by_side import build, loss_of
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _llama(batch: int = 8, seq: int = 64):
+    """The tiny Hugging Face Llama on a batch whose activations outweigh its weights."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, use_cache=False)
+    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return tf.LlamaForCausalLM(cfg), (ids,)
+
+
+def _plan(policy: str, **kw) -> Plan:
+    model, inputs = _llama()
+    return autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", activation_checkpointing=policy, **kw)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_an_unknown_recomputation_policy_lists_the_choices():
+    with pytest.raises(ValueError, match=r"activation_checkpointing='some'.*'auto', 'none', 'selective', 'full'"):
+        _plan("some")
+
+
+def test_fsdp_without_a_data_axis_names_the_mesh_axes():
+    model, inputs = _llama()
+    with pytest.raises(ValueError, match=r"data_parallel='fsdp' needs a mesh axis named.*\('domain', 'tensor'\)"):
+        autojigsaw.plan(model, inputs, {"domain": 2, "tensor": 2}, device="cpu", data_parallel="fsdp")
+
+
+def test_a_compute_dtype_the_device_lacks_is_refused():
+    model, inputs = _llama()
+    with pytest.raises(ValueError, match=r"param_dtype=torch.float16 cannot be computed in on device 'cpu-gloo'"):
+        autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu",
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+
+
+def test_no_plan_even_with_recomputation_says_so():
+    with pytest.raises(ValueError, match=r"Recomputation was tried \(activation_checkpointing='auto'\)"):
+        _plan("auto", memory_budget=10_000)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def _recomputed(plan: Plan, policy: str) -> Plan:
+    """The same sharding with every layer recomputed under `policy`, priced."""
+    layers = (("model.layers.0", policy), ("model.layers.1", policy)) if policy != "none" else ()
+    model, inputs = _llama()
+    return autojigsaw.evaluate(replace(plan, recompute=layers), model, inputs, device="cpu")
+
+
+def test_recomputation_trades_memory_for_time():
+    assert _plan("none").recompute == ()
+    assert _plan("selective").recompute_summary() == "selective on model.layers.{0..1} (x2)"
+    plans = {p: _recomputed(_plan("none"), p) for p in ("none", "selective", "full")}
+    mem = {p: plan.memory_per_rank for p, plan in plans.items()}
+    step = {p: plan.step_time for p, plan in plans.items()}
+    assert mem["full"] < mem["selective"] < mem["none"], mem
+    assert step["none"] < step["selective"] < step["full"], step
+
+
+def test_auto_recomputes_only_when_the_budget_asks():
+    """Loose: nothing recomputed. Tighter than any sharding alone: the fewest layers, selective
+    before full; tighter still: full. Always at least as fast as recomputing everything fully."""
+    none = _plan("none")
+    assert _plan("auto").recompute == ()
+    budget = int(0.8 * none.memory_per_rank)
+    with pytest.raises(ValueError, match="no plan fits"):
+        _plan("none", memory_budget=budget)
+    some = _plan("auto", memory_budget=budget)
+    assert some.recompute == (("model.layers.0", "selective"),) and some.memory_per_rank <= budget
+    assert some.step_time <= _plan("full", memory_budget=budget).step_time
+    tight = _plan("auto", memory_budget=int(0.5 * none.memory_per_rank))
+    assert {policy for _, policy in tight.recompute} == {"full"}
+
+
+def test_mixed_precision_keeps_fp32_masters_and_bf16_activations():
+    assert ParamMemory.of(2, mixed=True, fsdp_ranks=1) == ParamMemory(3.0, 2.0, 2.0, False)
+    assert ParamMemory.of(2, mixed=True, fsdp_ranks=8) == ParamMemory(0.25, 0.25, 0.25, True)
+    assert ParamMemory.of(4, mixed=False, fsdp_ranks=1) == ParamMemory()
+    fp32, mixed = _plan("none"), _plan("none", mp_policy=BF16)
+    assert mixed.precision == "bf16 compute, fp32 masters, fp32 gradient sums"
+    assert mixed.memory_per_rank < fp32.memory_per_rank  # activations halve; weights do not shrink
+
+
+def test_fsdp_shards_the_weights_state_over_the_data_axis():
+    model, inputs = _llama()
+    ddp = autojigsaw.plan(model, inputs, {"data": 2, "tensor": 2}, device="cpu", data_parallel="ddp")
+    fsdp = autojigsaw.plan(model, inputs, {"data": 2, "tensor": 2}, device="cpu")
+    assert (ddp.data_parallel, fsdp.data_parallel) == ("ddp", "fsdp")
+    assert fsdp.memory_per_rank < ddp.memory_per_rank
+    assert fsdp.comm_bytes > ddp.comm_bytes  # gathers twice, reduce-scatters once, on top
+
+
+# ---------------------------------------------------------------- running
+
+
+def _recompute_run(plan_json: str) -> dict:
+    ref, inputs = _llama()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False,
+                                    plan=Plan.from_json(plan_json))
+    opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
+    tracker = MemTracker()
+    tracker.track_external(pmodel, opt)
+    with tracker:
+        loss_of(pmodel(*inputs)).backward()
+    opt.step()
+    peak = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+    loss_of(ref(*inputs)).backward()
+    scale = max(q.grad.abs().max().item() for q in ref.parameters())
+    err = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
+    return {"grad": err / scale, "peak": peak}
+
+
+def test_recomputed_layers_give_the_same_gradients_and_free_the_predicted_memory(ranks2):
+    base = _plan("none")
+    measured, predicted = {}, {}
+    for policy in ("none", "selective", "full"):
+        plan = _recomputed(base, policy)
+        for r in ranks2.run(_recompute_run, plan.to_json()):
+            assert r["grad"] <= 64 * 2.0**-24, (policy, r)
+        measured[policy], predicted[policy] = r["peak"], plan.memory_per_rank
+    assert measured["none"] > measured["selective"] > measured["full"], measured
+    drop, want = measured["none"] - measured["full"], predicted["none"] - predicted["full"]
+    assert abs(drop - want) <= 0.15 * want, (measured, predicted)
+    # Known gap: selective frees 1.17 MB measured where 1.84 MB is predicted (the runtime keeps more
+    # than the model's save list says); the full policy's drop is within 8 %.
+
+
+def _bf16_run(plan_json: str) -> dict:
+    ref, inputs = build("mixer", dtype=torch.float32)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False,
+                                    plan=Plan.from_json(plan_json), mp_policy=BF16)
+    low = copy.deepcopy(ref).to(torch.bfloat16)  # the single device with the same casts
+    loss_of(pmodel(*inputs)).backward()
+    loss_of(low(inputs[0].to(torch.bfloat16))).backward()
+    scale = max(q.grad.abs().max().item() for q in low.parameters())
+    return {"masters": {p.dtype for p in pmodel.parameters()}, "grads": {p.grad.dtype for p in pmodel.parameters()},
+            "grad": max((p.grad.full_tensor() - q.grad.float()).abs().max().item()
+                        for p, q in zip(pmodel.parameters(), low.parameters())) / scale}
+
+
+def test_bf16_mixed_precision_matches_the_single_device_with_the_same_casts(ranks2):
+    model, inputs = build("mixer", dtype=torch.float32)
+    plan = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", mp_policy=BF16)
+    assert any(n.kind == "matmul" and any(not p.is_replicate() for p in n.inputs[1]) for n in plan.nodes)
+    for r in ranks2.run(_bf16_run, plan.to_json()):
+        assert r["masters"] == {torch.float32} and r["grads"] == {torch.float32}, r
+        assert r["grad"] <= 9 * 2.0**-8, r  # one bf16 rounding more per matmul than the single device
