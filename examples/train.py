@@ -35,6 +35,7 @@ import autojigsaw
 MODELS = ("llama", "gpt2")
 AXES = ("data", "domain", "tensor")  # "2x2" names the last two, "2x2x2" all three
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+transformers.logging.set_verbosity_error()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -159,7 +160,8 @@ def build_model(args) -> torch.nn.Module:
     else:
         config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=heads,
                                          vocab_size=args.vocab, n_positions=max(args.seq, 1024),
-                                         use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                         use_cache=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0)
         cls = transformers.GPT2LMHeadModel
     torch.manual_seed(args.seed)
     with autojigsaw.meta_init():
