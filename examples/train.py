@@ -85,8 +85,9 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return sizes, names
 
 
-def check_args(args, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Every check that needs no process group: run before init_process_group, on every rank."""
+def check_args(args, world: int) -> tuple[tuple[int, ...], tuple[str, ...], np.ndarray | None]:
+    """Every check that needs no process group, before init_process_group: mesh sizes and axis
+    names, and the tokens of --data (None for synthetic ones)."""
     for name in ("layers", "hidden", "vocab", "batch", "seq", "steps"):
         if getattr(args, name) < 1:
             raise BadInput(f"--{name} {getattr(args, name)}: give a positive number")
@@ -96,14 +97,12 @@ def check_args(args, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     if math.prod(sizes) != world:
         raise BadInput(f"--mesh {args.mesh} has {math.prod(sizes)} ranks but {world} were started: "
                        f"give a mesh of {world} ranks, or start {math.prod(sizes)} (torchrun --nproc-per-node, --nnodes)")
-    if args.data is not None:
-        open_tokens(args)
     if args.resume and args.checkpoint_dir is None:
         raise BadInput("--resume needs the --checkpoint-dir of the run to continue")
     if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
         raise BadInput(f"--resume: no checkpoint in {args.checkpoint_dir}/ (no 'latest' file): train once "
                        "without --resume to make one, or point --checkpoint-dir at the run to continue")
-    return sizes, names
+    return sizes, names, (None if args.data is None else open_tokens(args))
 
 
 def open_tokens(args) -> np.ndarray:
@@ -148,8 +147,8 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return path if (path / ".metadata").is_file() else None
 
 
-def build_model(args) -> torch.nn.Module:
-    """The model from a config, seeded; on the meta device, so each rank makes only its shards."""
+def build_model(args, device: torch.device) -> torch.nn.Module:
+    """The model from a config, seeded: the same weights on every rank and every mesh."""
     heads = max(args.hidden // 64, 1)
     if args.model == "llama":
         config = transformers.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden,
@@ -163,9 +162,8 @@ def build_model(args) -> torch.nn.Module:
                                          use_cache=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                                          embd_pdrop=0.0, attn_pdrop=0.0)
         cls = transformers.GPT2LMHeadModel
-    torch.manual_seed(args.seed)
-    with autojigsaw.meta_init():
-        return cls(config).to(getattr(torch, args.dtype))
+    torch.manual_seed(args.seed)  # built on the CPU, whose random stream is the same everywhere
+    return cls(config).to(device, getattr(torch, args.dtype))
 
 
 def batch_at(step: int, args, tokens: np.ndarray | None, device) -> torch.Tensor:
@@ -219,10 +217,13 @@ def train(args, sizes, names, tokens) -> None:
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
     ids = batch_at(0, args, tokens, device)
     budget = None if args.memory_budget is None else int(args.memory_budget * 2**20)
-    pmodel = autojigsaw.parallelize(build_model(args), mesh, (ids,), example_kwargs={"labels": ids},
+    pmodel = autojigsaw.parallelize(build_model(args, device), mesh, (ids,), example_kwargs={"labels": ids},
                                     compile=args.compile, memory_budget=budget)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
     start = load(args.checkpoint_dir, pmodel, opt) if args.resume else 0
+    if start >= args.steps:
+        raise BadInput(f"--resume: the checkpoint is at step {start}, --steps is {args.steps}: give more "
+                       "--steps to go on")
     if rank == 0:
         print(pmodel.plan, flush=True)
         print(f"\n{args.model}, {sum(p.numel() for p in pmodel.parameters()) / 1e6:.2f} M parameters, "
@@ -254,19 +255,20 @@ def train(args, sizes, names, tokens) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
-        sizes, names = check_args(args, world)
-        tokens = open_tokens(args) if args.data is not None else None
+        sizes, names, tokens = check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     except BadInput as err:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per node
             print(f"train.py: error: {err}", file=sys.stderr, flush=True)
         return 2
-    if "RANK" not in os.environ:  # plain `python train.py`: one rank, no launcher
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
+    # A collective that never completes (a rank died) raises after the timeout instead of hanging.
+    group = dict(backend="nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    if "RANK" not in os.environ:  # plain `python train.py`: one rank, no launcher
+        group.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**group)
     try:
         train(args, sizes, names, tokens)
     except (ValueError, FloatingPointError) as err:  # the same on every rank: no plan fits, the loss diverged

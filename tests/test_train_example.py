@@ -2,12 +2,14 @@
 
 The script builds the same weights and batches on any mesh, so a 2-rank run (2 steps, then 2
 more resumed from its checkpoint) must print the losses of a 1-rank run of 4 steps, to fp32
-rounding. Bad input must end every rank quickly with one line naming the fix.
+rounding. Bad input must end the run before any process group starts, with one line naming
+the fix: under torchrun once, and in this process (the checks need no launcher) for the rest.
 """
 
 import math
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -68,31 +70,34 @@ def test_parallel_and_resumed_losses_equal_one_rank(tmp_path):
         assert parallel[step] == pytest.approx(loss, abs=2e-6), (step, parallel, reference)
 
 
-def test_bad_input_exits_with_one_line(tmp_path):
-    np.save(tmp_path / "floats.npy", np.zeros(1000, np.float32))
+def test_bad_input_exits_with_one_line(tmp_path, capsys):
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
-    one = one_rank("--steps", "1", "--checkpoint-dir", "")
-    cases = {  # command -> what the line must say; all started at once, they overlap
-        "mesh": (torchrun(2, "--mesh", "2x2"), "--mesh 2x2 has 4 ranks but 2 were started"),
-        "model": ([*one, "--model", "bert"], "unknown --model 'bert': choose one of llama, gpt2"),
-        "missing": ([*one, "--data", "nope.npy"], "--data nope.npy: no such file"),
-        "floats": ([*one, "--data", str(tmp_path / "floats.npy")], "holds float32, not token ids"),
-        "dtype": ([*one, "--data", str(tmp_path / "tokens.bin"), "--data-dtype", "int32"],
-                  "give the --data-dtype it was written with"),
-        "resume": ([*one, "--resume", "--checkpoint-dir", str(tmp_path)],
-                   f"--resume: no checkpoint in {tmp_path}/"),
-        "good data": ([*one, "--data", str(tmp_path / "tokens.bin"), "--vocab", "1000"], None),
+    # Through the launchers: a mesh that does not fit torchrun's ranks; a good token file.
+    mesh = start(torchrun(2, "--mesh", "2x2"))
+    data = start(one_rank("--steps", "1", "--checkpoint-dir", "", "--data", str(tmp_path / "tokens.bin"),
+                          "--vocab", "1000"))
+    # The other checks run before any process group too: call the script's main in this process.
+    np.save(tmp_path / "floats.npy", np.zeros(1000, np.float32))
+    train = runpy.run_path(SCRIPT, run_name="train_example")
+    one = [*TINY, "--mesh", "1", "--steps", "1", "--checkpoint-dir", ""]
+    cases = {
+        "unknown --model 'bert': choose one of llama, gpt2": ["--model", "bert"],
+        "--mesh 'ax2' is not a mesh: write 4, 2x2, 2x2x2 or data=2,tensor=2": ["--mesh", "ax2"],
+        "--data nope.npy: no such file": ["--data", "nope.npy"],
+        "holds float32, not token ids": ["--data", str(tmp_path / "floats.npy")],
+        "give the --data-dtype it was written with": ["--data", str(tmp_path / "tokens.bin"), "--data-dtype", "int32"],
+        "has token id 999, outside --vocab 256: give --vocab 1000": ["--data", str(tmp_path / "tokens.bin")],
+        f"--resume: no checkpoint in {tmp_path}/": ["--resume", "--checkpoint-dir", str(tmp_path)],
     }
-    procs = {key: start(cmd) for key, (cmd, _) in cases.items()}
-    for key, proc in procs.items():
-        rc, out, err = finish(proc, timeout=120)
-        expected = cases[key][1]
-        if expected is None:
-            assert rc == 0, out + err
-            assert math.isfinite(losses(out)[1])
-            continue
-        assert rc != 0, key
-        lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
-        assert len(lines) == 1 and expected in lines[0], (key, err)
-        if key != "mesh":  # torchrun adds its own report of the failed ranks
-            assert "Traceback" not in err, (key, err)
+    for expected, args in cases.items():
+        assert train["main"]([*one, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("train.py: error: ") and err.count("\n") == 1 and expected in err, (args, err)
+    rc, out, err = finish(mesh, timeout=120)
+    assert rc != 0
+    lines = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+    assert lines == ["train.py: error: --mesh 2x2 has 4 ranks but 2 were started: give a mesh of 2 ranks, "
+                     "or start 4 (torchrun --nproc-per-node, --nnodes)"], err  # one line, from local rank 0
+    rc, out, err = finish(data, timeout=120)
+    assert rc == 0, out + err
+    assert math.isfinite(losses(out)[1])
