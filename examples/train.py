@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -206,7 +207,13 @@ def save(folder: Path, step: int, pmodel, opt) -> Path:
 def load(folder: Path, pmodel, opt) -> int:
     """Load the latest checkpoint into the model and optimizer; the step it was saved at."""
     state = {"model": pmodel.state_dict(), "optim": get_optimizer_state_dict(pmodel, opt), "step": 0}
-    dcp.load(state, checkpoint_id=latest_checkpoint(folder))
+    path = latest_checkpoint(folder)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as err:  # every rank raises it: the checkpoint is another model's
+        cause, _traceback = next(iter(err.failures.values()))
+        raise BadInput(f"--resume: {path} does not fit this model ({cause}): give the --model, --layers, "
+                       "--hidden, --vocab and --dtype it was saved with") from err
     set_optimizer_state_dict(pmodel, opt, state["optim"])
     return state["step"]
 
