@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -38,6 +39,7 @@ class NodeSharding:
     #                        state) and what it saves for backward, per rank
     comm_s: float = 0.0  # predicted time of the resharding into this node (and its gradient back)
     input_shapes: tuple[tuple[int, ...], ...] = ()
+    module: str = ""  # the module it runs in ("model.layers.3.mlp.down_proj"), or a parameter's FQN
 
     @property
     def output(self) -> Placements | None:
@@ -112,21 +114,22 @@ class Plan:
     # ------------------------------------------------------------ printing
 
     def table(self, *, every_node: bool = False) -> str:
-        """One row per matmul / attention / softmax / norm / embedding / fallback node (or every
-        node), and a summary row: predicted step time, comm per rank, peak memory against the budget."""
-        rows = [
-            (n.name, n.op, " ".join("x".join(map(str, s)) for s in n.input_shapes) + " -> "
-             + "x".join(map(str, n.shape)),
-             " ".join(format_placements(p) for p in n.inputs),
-             format_placements(n.output) if n.output else "",
-             n.kernel + (" (fallback)" if n.fallback else ""),
-             format_bytes(n.comm_bytes), format_seconds(n.comm_s), format_seconds(n.compute_s), format_bytes(n.memory_bytes), n.note)
-            for n in self.nodes if every_node or n.kind in SHOWN_KINDS or n.fallback
-        ]
-        headers = ["node", "op", "shapes", "inputs", "output", "kernel", "comm/rank", "comm time",
+        """The plan as a table a person reads: one row per kind of matmul / attention / softmax /
+        norm / embedding / fallback node, repeated layers collapsed into one row (`every_node=True`:
+        one row per graph node), rows for everything else, so that each column sums to TOTAL."""
+        shown = [n for n in self.nodes if every_node or n.kind in SHOWN_KINDS or n.fallback]
+        rows = [_row(group) for group in (_collapsed(shown) if not every_node else [[n] for n in shown])]
+        hidden = [n for n in self.nodes if n not in set(shown)]
+        if hidden:
+            rows.append(_row(hidden, label=f"({len(hidden)} other nodes: views, elementwise, parameters)"))
+        unattributed = self.comm_bytes - sum(n.comm_bytes for n in self.nodes)
+        if unattributed:
+            what = "FSDP: gathers and gradient reduce-scatters on the data axis" if self.data_parallel == "fsdp" else "other"
+            rows.append(("", f"({what})", "", "", "", "", "", format_bytes(unattributed), "", "", "", ""))
+        headers = ["module", "node", "op", "shapes", "inputs", "output", "kernel", "comm/rank", "comm time",
                    "compute", "memory", "note"]
         comm_s = sum(n.comm_s for n in self.nodes)
-        rows.append(("TOTAL", "", "", "", "", f"{len(self.fallbacks)} fallback(s)", format_bytes(self.comm_bytes),
+        rows.append(("TOTAL", "", "", "", "", "", f"{len(self.fallbacks)} fallback(s)", format_bytes(self.comm_bytes),
                      format_seconds(comm_s), format_seconds(self.step_time - comm_s), "peak " + format_bytes(self.memory_per_rank),
                      f"step {format_seconds(self.step_time)}"))
         budget = f" of {format_bytes(self.memory_budget)} budget" if self.memory_budget else ""
@@ -136,10 +139,33 @@ class Plan:
             f"predicted step {format_seconds(self.step_time)}, comm {format_bytes(self.comm_bytes)}/rank, "
             f"peak memory {format_bytes(self.memory_per_rank)}/rank{budget}"
             + (f" at the {self.peak_at}" if self.peak_at else "") + f"; {len(self.fallbacks)} fallback node(s)"
-            + f"\nprecision: {self.precision}; recompute: {self.recompute_summary()}"
+            + f"\nlayout: {self.layout()}\nprecision: {self.precision}; recompute: {self.recompute_summary()}"
             + (f"; data axis: {self.data_parallel}" if self.data_parallel else "")
         )
-        return tabulate(rows, headers=headers, tablefmt="simple") + "\n" + summary
+        legend = (f"placements: one per mesh axis ({', '.join(self.mesh.axis_names)}); S(d) = split along tensor dim d, "
+                  "R = whole copy, P(sum) = partial sums still to add; inputs: activation, weight, bias; "
+                  "kernel: local = the op on local shards, others = autojigsaw's distributed kernels; "
+                  "fallback = no sharding rule, run replicated")
+        return tabulate(rows, headers=headers, tablefmt="simple") + "\n" + summary + "\n" + legend
+
+    def layout(self) -> str:
+        """The chosen layout per mesh axis, in words ("tensor: 12/14 weights split, activations split")."""
+        parts, anything = [], False
+        weights = [n for n in self.nodes if n.kind == "param" and n.output]
+        for a, axis in enumerate(self.mesh.axis_names):
+            split = sum(not n.output[a].is_replicate() for n in weights)
+            acts = any(n.output and n.output[a].is_shard() for n in self.nodes if n.kind not in ("param", "input"))
+            anything = anything or split > 0 or acts
+            parts.append(f"{axis}: {split}/{len(weights)} weights split" + (", activations split" if acts else ""))
+        if not anything:
+            return "replicated: it fits the budget and sharding would be slower (give a smaller memory_budget to force it)"
+        return "; ".join(parts)
+
+    def summary_line(self) -> str:
+        """One line: mesh, layout, predicted step time, memory and bytes (what parallelize logs)."""
+        return (f"autojigsaw: {self.mesh.describe()} on {self.device}: {self.layout()}; predicted step "
+                f"{format_seconds(self.step_time)}, peak {format_bytes(self.memory_per_rank)}/rank, "
+                f"{format_bytes(self.comm_bytes)} sent/rank/step; {len(self.fallbacks)} fallback node(s)")
 
     def recompute_summary(self) -> str:
         """"selective on model.layers.{0..31}" (x32), or "none"."""
@@ -212,6 +238,39 @@ class Plan:
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
             data_parallel=d.get("data_parallel"),
         )
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def _collapsed(nodes: list[NodeSharding]) -> list[list[NodeSharding]]:
+    """Nodes grouped when they differ only by the layer they run in (`layers.3` vs `layers.4`)."""
+    groups: dict[tuple, list[NodeSharding]] = {}
+    for n in nodes:
+        pattern = _LAYER_INDEX.sub(".{i}", n.module, count=1) if n.module else n.name
+        key = (pattern, n.op, n.shape, n.input_shapes, n.inputs, n.outputs, n.kernel, n.fallback, n.note)
+        groups.setdefault(key, []).append(n)
+    return list(groups.values())
+
+
+def _row(group: list[NodeSharding], label: str | None = None) -> tuple:
+    """One table row for nodes that run alike: their summed costs; `label` for a row of leftovers."""
+    comm, comm_s = sum(n.comm_bytes for n in group), sum(n.comm_s for n in group)
+    compute, memory = sum(n.compute_s for n in group), sum(n.memory_bytes for n in group)
+    if label is not None:
+        return ("", label, "", "", "", "", "", format_bytes(comm), format_seconds(comm_s), format_seconds(compute),
+                format_bytes(memory), "")
+    n = group[0]
+    module, name = n.module, n.name
+    if len(group) > 1:
+        indices = [m.group(1) for g in group if (m := _LAYER_INDEX.search(g.module))]
+        if len(indices) == len(group):
+            module = _LAYER_INDEX.sub(f".{{{indices[0]}..{indices[-1]}}}", n.module, count=1)
+        name = f"{n.name} (x{len(group)})"
+    shapes = " ".join("x".join(map(str, s)) for s in n.input_shapes) + " -> " + "x".join(map(str, n.shape))
+    return (module, name, n.op, shapes, " ".join(format_placements(p) for p in n.inputs),
+            format_placements(n.output) if n.output else "", n.kernel + (" (fallback)" if n.fallback else ""),
+            format_bytes(comm), format_seconds(comm_s), format_seconds(compute), format_bytes(memory), n.note)
 
 
 def format_bytes(n: float | None) -> str:

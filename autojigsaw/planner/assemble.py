@@ -12,6 +12,7 @@ from ..cost_model.estimate import CostContext
 from ..passes.grad_kinds import grads_by_name
 from ..cost_model.symbolic import name_sizes
 from ..passes.strategies import output_values, tensor_inputs
+from ..modules import module_path
 from ..plan import NodeSharding, Plan
 from .explain import Explainer
 from .milp import Solution
@@ -94,6 +95,7 @@ def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: Cost
             compute_s=float(problem.time[i][choice[i]]), memory_bytes=int(memory[i]),
             comm_s=float(comm_in[i]),
             input_shapes=tuple(tuple(output_values(src)[o].shape) for src, o in tensor_inputs(node)),
+            module=module_path(node, captured.params) or "",
         ))
     by_name = {s.name: s for s in shardings}
     out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
