@@ -274,6 +274,6 @@ def device_spec(device: str | DeviceSpec) -> DeviceSpec:
     key = ALIASES.get(key, key)
     if key not in DEVICES:
         short = sorted(next((a for a, k in ALIASES.items() if k == name), name) for name in DEVICES)
-        raise ValueError(f"unknown device {device!r}; known: {short} ('cpu' is 'cpu-gloo'), "
-                         "or pass a DeviceSpec such as autojigsaw.calibrate(mesh) returns")
+        raise ValueError(f"unknown device {device!r}; known: {short} ('cpu' is 'cpu-gloo'; add '{COMPILED}' "
+                         "for a torch.compile'd step), or pass a DeviceSpec such as autojigsaw.calibrate(mesh) returns")
     return DEVICES[key]
