@@ -105,6 +105,7 @@ class Outcome:
     plan_s: float
     notes: tuple[str, ...]
     error: str = ""
+    split: tuple[tuple[str, float], ...] = ()  # (part, seconds) of the predicted step
 
     @property
     def ratio(self) -> float | None:
@@ -150,7 +151,22 @@ def plan_run(run: PublishedRun) -> Outcome:
         return Outcome(run, None, None, fpt, time.perf_counter() - start, tuple(notes),
                        f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     tps = run.tokens_per_step / plan.step_time / run.gpus
-    return Outcome(run, tps, plan.memory_per_rank / GiB, fpt, time.perf_counter() - start, tuple(notes))
+    return Outcome(run, tps, plan.memory_per_rank / GiB, fpt, time.perf_counter() - start, tuple(notes),
+                   split=time_split(plan))
+
+
+_PARTS = {"matmul": "matmul", "attention": "attention", "softmax": "softmax+norm", "norm": "softmax+norm",
+          "param": "optimizer"}
+PARTS = ("matmul", "attention", "softmax+norm", "other ops", "optimizer", "resharding")
+
+
+def time_split(plan) -> tuple[tuple[str, float], ...]:
+    """Seconds of the predicted step per part: node kinds (kernel-internal collectives included), resharding."""
+    total = dict.fromkeys(PARTS, 0.0)
+    for n in plan.nodes:
+        total[_PARTS.get(n.kind, "other ops")] += n.compute_s
+        total["resharding"] += n.comm_s
+    return tuple(total.items())
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -192,6 +208,9 @@ def main(argv: list[str] | None = None) -> Report:
     rep.table("Predicted against published, per GPU", rows(outcomes), HEADERS,
               f"worst throughput ratio: {_f(worst, '.2f')}; MFU = tokens/s x (6N + 12 L d s) / peak "
               "(both columns, same formula)")
+    rep.table("Where the predicted step goes (% of the sum of node and resharding times)",
+              [(o.run.name, *(f"{100 * t / max(sum(dict(o.split).values()), 1e-30):.0f}" for _, t in o.split))
+               for o in outcomes if o.split], ["run", *PARTS])
     rep.text("Sources", "\n".join(
         f"{o.run.name}: {o.run.source}" + (f"; stated MFU {o.run.mfu:.1%}" if o.run.mfu else "")
         + (f" ({o.run.note})" if o.run.note else "") for o in outcomes))
