@@ -77,10 +77,11 @@ def _fwd_bwd(f, *inputs):
 
 def _predicted(op, in_shapes, out_shape, dtype, spec) -> float:
     """Forward + backward seconds by autojigsaw's roofline for one node."""
-    from autojigsaw.cost_model.compute import backward_factor, flops, roofline_time
+    from autojigsaw.cost_model.compute import backward_factor, flops, op_kind, roofline_time
 
     nbytes = sum(torch.Size(s).numel() for s in [*in_shapes, out_shape]) * dtype.itemsize
-    t = roofline_time(flops(op, [tuple(s) for s in in_shapes], [tuple(out_shape)]), nbytes, dtype, spec)
+    t = roofline_time(flops(op, [tuple(s) for s in in_shapes], [tuple(out_shape)]), nbytes, dtype, spec,
+                      op_kind(op).name)
     return t * (1 + backward_factor(op))
 
 

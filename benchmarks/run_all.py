@@ -27,6 +27,7 @@ RUNS = {
     "scaling": {"full": [], "quick": ["--gpus", "1", "4", "16", "64", "256"],
                 "tiny": ["--tiny", "--gpus", "1", "2", "--tolerance", "0.5"]},
     "gpu_overhead": {"full": [], "quick": [], "tiny": ["--cpu", "--tiny", "--no-compile"]},
+    "published": {"full": [], "quick": ["--only", "torchtitan-8b-fsdp8"], "tiny": ["--tiny"]},
 }
 
 

@@ -38,6 +38,9 @@ def test_planner_shards_what_dominates(case):
     plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2}, device="h100")
     table = plan.table()
     for name in ("linear_2", "linear_3"):  # channel_fc1, channel_fc2
-        notes = _axis_notes(plan.node(name).note)
-        assert notes.get("domain") in domain and notes.get("tensor") in tensor, (name, table)
+        got = _axis_notes(plan.node(name).note)
+        got = (got.get("domain"), got.get("tensor"))
+        # both axes of a 2 x 2 mesh cross the same NVLink: which one shards the tokens is a tie
+        swapped = case == "both" and got[1] in domain and got[0] in tensor
+        assert (got[0] in domain and got[1] in tensor) or swapped, (name, table)
         assert plan.node(name).note in table

@@ -58,7 +58,8 @@ def calibrate(mesh, *, base: str | DeviceSpec | None = None, max_bytes: int = 4 
     slowest = max((link for _, link in links), key=lambda l: l.latency_s, default=base_spec.inter_node)
     return replace(base_spec, name=f"{base_spec.name}-calibrated", flops=flops,
                    memory_bandwidth=rates[len(dtypes)], kernel_floor_s=times[0], intra_node=fastest,
-                   inter_node=slowest, axis_links=tuple(links), tree_all_reduce=dist.get_backend() == "nccl")
+                   inter_node=slowest, axis_links=tuple(links), tree_all_reduce=dist.get_backend() == "nccl",
+                   efficiency=())  # measured rates are achieved ones
 
 
 def _default_base(device: torch.device) -> str:

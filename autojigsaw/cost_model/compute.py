@@ -2,9 +2,16 @@
 
 Each op belongs to a kind (matmul, conv, attention, softmax, norm, elementwise) with a FLOP
 formula in a few local dims (M, N, K for a matmul). A kernel's time is the roofline
-max(FLOPs / peak, bytes moved / memory bandwidth, launch floor). Shapes may be tuples of
-ints, numpy columns (one entry per strategy: a whole node at once) or sympy expressions
-(for Plan.explain); the same code serves all three.
+max((FLOPs + half) / (ceiling * peak), bytes moved / (memory ceiling * bandwidth), launch
+floor), with the device's efficiency of the kind (devices.Efficiency: matmul and conv use the
+GEMM table, attention its own, other kinds run on the vector units, memory-bound). Shapes may
+be tuples of ints, numpy columns (one entry per strategy: a whole node at once) or sympy
+expressions (for Plan.explain); the same code serves all three.
+
+torch.compile (a spec with fused_pointwise): Inductor fuses chains of elementwise ops into one
+kernel, or into the reduction next to them, so that an elementwise op writes its output once
+and reads nothing back: it is priced at its output bytes (its FLOP count: one per output
+element), with no launch floor. Norms, softmax and GEMMs keep their own kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from .devices import DeviceSpec
+from .devices import DeviceSpec, Efficiency
 from .formulas import Formula, symbols
 
 aten = torch.ops.aten
@@ -35,9 +42,12 @@ Shape = Sequence  # of ints, numpy arrays (one entry per strategy) or sympy expr
 
 _M, _N, _K, _BH, _SQ, _SK, _D, _DV, _E, _R = symbols("M N K BH Sq Sk D Dv E R")
 _F, _BYTES, _PEAK, _BW, _FLOOR = symbols("flops bytes peak bandwidth floor")
+_CEIL, _HALF, _MCEIL, _MHALF = symbols("ceiling half memory_ceiling memory_half")
 
-ROOFLINE = Formula("kernel_time", sympy.Max(_F / _PEAK, _BYTES / _BW, _FLOOR),
-                   (_F, _BYTES, _PEAK, _BW, _FLOOR))
+ROOFLINE = Formula("kernel_time", sympy.Max((_F + _HALF) / (_CEIL * _PEAK), (_BYTES + _MHALF) / (_MCEIL * _BW),
+                                            _FLOOR),
+                   (_F, _BYTES, _PEAK, _BW, _FLOOR, _CEIL, _HALF, _MCEIL, _MHALF))
+_TENSOR_CORE_KINDS = {"matmul": "matmul", "conv": "matmul", "attention": "attention"}
 
 
 @dataclass(frozen=True)
@@ -96,10 +106,28 @@ def flops(op, in_shapes: list[Shape], out_shapes: list[Shape]):
     return kind.flops(*kind.dims(in_shapes, out_shapes))
 
 
-def roofline_time(op_flops, bytes_moved, dtype: torch.dtype, device: DeviceSpec):
-    """max(compute, memory traffic, launch floor): the time of one kernel (arrays allowed)."""
-    return ROOFLINE(op_flops, bytes_moved, device.peak_flops(dtype), device.memory_bandwidth,
-                    device.kernel_floor_s)
+def roofline_time(op_flops, bytes_moved, dtype: torch.dtype, device: DeviceSpec, kind: str = "matmul"):
+    """max(compute, memory traffic, launch floor): the time of one kernel of op kind `kind`.
+
+    Numbers and numpy arrays give seconds; a sympy expression among them gives the formula.
+    """
+    compute = device.kernel_efficiency(_TENSOR_CORE_KINDS[kind]) if kind in _TENSOR_CORE_KINDS else Efficiency()
+    memory = device.kernel_efficiency("memory")
+    floor = device.kernel_floor_s
+    if device.fused_pointwise and kind == "elementwise":
+        bytes_moved, floor, memory = op_flops * dtype.itemsize, 0.0, Efficiency(memory.ceiling)
+    values = {"flops": op_flops, "bytes": bytes_moved, "peak": device.peak_flops(dtype),
+              "bandwidth": device.memory_bandwidth, "floor": floor, "ceiling": compute.ceiling,
+              "half": compute.half, "memory_ceiling": memory.ceiling, "memory_half": memory.half}
+    if isinstance(op_flops, sympy.Basic) or isinstance(bytes_moved, sympy.Basic):
+        return ROOFLINE.subs(values)
+    return ROOFLINE(*(values[str(a)] for a in ROOFLINE.args))
+
+
+def memory_time(nbytes, device: DeviceSpec, kind: str = "memory"):
+    """Seconds to stream `nbytes` through memory in a kernel of `kind` ("memory", "optimizer")."""
+    e = device.kernel_efficiency(kind)
+    return (nbytes + e.half) / (e.ceiling * device.memory_bandwidth)
 
 
 def backward_factor(op) -> float:

@@ -27,7 +27,7 @@ from ..passes.strategies import Strategy, output_values, tensor_inputs
 from ..placements import Placements, local_shape
 from ..training import Regime, data_axis
 from .comm import bytes_sent, collective_time
-from .compute import op_kind, roofline_time
+from .compute import memory_time, op_kind, roofline_time
 from .devices import DeviceSpec
 from .liveness import ParamMemory
 from .memory import OPTIMIZERS, Optimizer, is_view
@@ -116,7 +116,7 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         local = _local(tuple(val.shape), tuple(s.outputs[0] for s in strategies), sizes)
         nbytes = np.prod(local, axis=1) * val.dtype.itemsize
         masters = nbytes * ctx.param_memory(val.dtype.itemsize).state  # what the optimizer step reads
-        step = masters * (3 + 2 * ctx.optimizer.states) / ctx.device.memory_bandwidth
+        step = memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer")
         return NodeCosts(step + ctx.fsdp_comm(nbytes, val.dtype.itemsize)[0])
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)
@@ -148,7 +148,7 @@ def _default_times(node: Node, strategies: tuple[Strategy, ...], ctx: CostContex
     kind = op_kind(node.target)
     n = len(strategies)
     flops = np.broadcast_to(np.asarray(kind.flops(*kind.dims(in_shapes, out_shapes)), dtype=float), (n,))
-    t = roofline_time(flops, np.broadcast_to(np.asarray(nbytes, dtype=float), (n,)), dtype, ctx.device)
+    t = roofline_time(flops, np.broadcast_to(np.asarray(nbytes, dtype=float), (n,)), dtype, ctx.device, kind.name)
     if ctx.training and grad:
         t = t * (1.0 + kind.backward)
     return np.asarray(t, dtype=float)

@@ -23,7 +23,7 @@ from ..mesh import MeshSpec
 from ..passes.strategies import Strategy, output_values, tensor_inputs
 from ..placements import Placements
 from .comm import RING, TREE_ALL_REDUCE
-from .compute import ROOFLINE, op_kind
+from .compute import op_kind, roofline_time
 from .devices import DeviceSpec
 
 
@@ -107,8 +107,7 @@ def node_formula(node: Node, strategy: Strategy, sizes: Sizes, device: DeviceSpe
     kind = op_kind(node.target)
     flops = sympy.simplify(kind.flops.expr.subs(dict(zip(kind.flops.args, kind.dims(ins, outs)))))
     dtype = next((v.dtype for v in output_values(node) if v is not None), torch.float32)
-    time = ROOFLINE.subs({"flops": flops, "bytes": nbytes, "peak": device.peak_flops(dtype),
-                          "bandwidth": device.memory_bandwidth, "floor": device.kernel_floor_s})
+    time = roofline_time(flops, nbytes, dtype, device, kind.name)
     return NodeFormula(kind.name, flops, sympy.simplify(nbytes), time, kind.backward if backward else 0.0)
 
 

@@ -216,7 +216,7 @@ def attention_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     if strategy.kernel in RINGS:
         return _ring_time(strategy, ctx, shapes, full, moved, dtype, causal, backward), math.nan
     share = 0.5 if causal and strategy.kernel == "local" else 1.0  # a shifted mask hides nothing
-    t = float(roofline_time(share * full, moved, dtype, ctx.device)) * (1 + backward)
+    t = float(roofline_time(share * full, moved, dtype, ctx.device, "attention")) * (1 + backward)
     if not (causal and backward and strategy.kernel == "kv_gather_attention"):
         return t, math.nan
     q, k = shapes[:2]
@@ -237,7 +237,7 @@ def _ring_time(strategy, ctx, shapes, block: float, moved: int, dtype, causal: b
     steps = [0.5] * n if zigzag else [0.5] + [1.0] * (n - 1) if causal else [1.0] * n
 
     def compute(share: float) -> float:
-        return float(roofline_time(share * block, moved, dtype, ctx.device))
+        return float(roofline_time(share * block, moved, dtype, ctx.device, "attention"))
 
     def send(kind: str, nbytes: int) -> float:
         return ctx.collective_time(kind, nbytes, a)

@@ -110,7 +110,7 @@ def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     x = node.args[0].meta["val"]
     shape = local_shape(x.shape, strategy.inputs[0], ctx.mesh.sizes, ctx.coord0)
     moved = 2 * math.prod(shape) * x.dtype.itemsize  # x in, y out
-    local = float(roofline_time(flops(node.target, [shape], [shape]), moved, x.dtype, ctx.device))
+    local = float(roofline_time(flops(node.target, [shape], [shape]), moved, x.dtype, ctx.device, "norm"))
     a = _stat_axis(node, strategy)
     nbytes = _stat_bytes(shape, len(node.args[1]), x.dtype)
 

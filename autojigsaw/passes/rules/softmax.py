@@ -106,7 +106,7 @@ def softmax_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     shape = local_shape(x.shape, strategy.inputs[0], ctx.mesh.sizes, ctx.coord0)
     numel = math.prod(shape)
     t = float(roofline_time(flops(node.target, [shape], [shape]),
-                            numel * (x.dtype.itemsize + y.dtype.itemsize), y.dtype, ctx.device))
+                            numel * (x.dtype.itemsize + y.dtype.itemsize), y.dtype, ctx.device, "softmax"))
     a = _axis(node, strategy, dim)
     reduce = ctx.collective_time("all_reduce", _stats_bytes(shape, dim, x.dtype), a)
     if ctx.training and grad:

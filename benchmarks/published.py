@@ -1,0 +1,222 @@
+"""Replan published, measured training runs on the meta device and compare with what they measured.
+
+Run: python -m benchmarks.published [--only NAME ...] [--tiny]
+
+Each run of benchmarks/published_runs.py is rebuilt with transformers on the meta device
+(same model shape, global batch, sequence length, mesh, precision and recomputation) and
+planned with autojigsaw.plan on its device spec (a torch.compile'd run on the spec's
+compiled variant). The table puts predicted and published side by side:
+
+  tokens/s per GPU = global batch x seq / plan.step_time / GPUs
+  MFU = tokens/s per GPU x FLOPs per token / bf16 peak, FLOPs per token = 6 N + 12 L d s
+        (PaLM, arXiv 2204.02311, appendix B; torchtitan's get_num_flop_per_token): N the
+        parameters taking part in matmuls (the input embedding table left out unless tied to
+        the output), L layers, d model width, s sequence length. The "published" MFU is this
+        formula on the published tokens/s; the source's own figure is listed with the sources.
+
+The planner plans the whole mesh (meta tensors cost nothing): a 128-GPU FSDP run is planned
+on 128 ranks, as FSDP's memory and collectives depend on them. --tiny shrinks every model to
+two layers of width 64 (what the smoke test runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import autojigsaw
+from autojigsaw.cost_model.devices import GiB, device_spec
+
+from .common import Report
+from .published_runs import RUNS, PublishedRun, run_named
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+_TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 256}
+_TINY_GPT = {"n_embd": 64, "n_inner": 256, "n_layer": 2, "n_head": 4, "vocab_size": 256}
+_NO_BUDGET = 1e15  # bytes: what a fallback plans under when the run's budget can't hold it
+
+
+def tiny(run: PublishedRun) -> PublishedRun:
+    """The same run on a two-layer, 64-wide model, 64 tokens per sequence, at most 8 per data rank."""
+    shrink = _TINY_LLAMA if run.family == "llama" else _TINY_GPT
+    config = {**run.config, **shrink}
+    if run.family == "gpt2":
+        config["n_positions"] = 64
+    batch = min(run.global_batch, 2 * run.mesh.get("data", 1))
+    return replace(run, config=config, seq=64, global_batch=batch, memory_budget=None)
+
+
+def build(run: PublishedRun) -> torch.nn.Module:
+    """The run's model on the meta device, from its transformers config."""
+    import transformers as tf
+
+    with torch.device("meta"):
+        if run.family == "llama":
+            return tf.LlamaForCausalLM(tf.LlamaConfig(**run.config, use_cache=False))
+        return tf.GPT2LMHeadModel(tf.GPT2Config(**run.config, use_cache=False))
+
+
+_PARAMS = inspect.signature(autojigsaw.plan).parameters
+_COMPUTE_DTYPE = {"bf16 mixed": torch.bfloat16, "fp16 mixed": torch.float16}
+
+
+def plan_options(run: PublishedRun) -> tuple[dict, torch.dtype | None, list[str]]:
+    """(keyword options for autojigsaw.plan, dtype to cast the model to or None, fallback notes).
+
+    The one place that says how a run's precision, recomputation and data parallelism are
+    asked for; an option this autojigsaw does not have yet falls back to the closest plan it
+    can express, with a note.
+    """
+    options, notes, cast = {}, [], None
+    dtype = _COMPUTE_DTYPE[run.precision]
+    if "mp_policy" in _PARAMS:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    else:
+        cast = dtype
+        notes.append(f"no mp_policy: model in {str(dtype).removeprefix('torch.')}")
+    if "activation_checkpointing" in _PARAMS:
+        options["activation_checkpointing"] = run.recompute
+    elif run.recompute != "none":
+        notes.append(f"no activation_checkpointing: {run.recompute} recomputation not applied")
+    if "data_parallel" in _PARAMS:
+        if "data" in run.mesh:
+            options["data_parallel"] = run.data_parallel
+    elif run.data_parallel != "ddp" and "data" in run.mesh:
+        notes.append(f"no data_parallel: {run.data_parallel} priced as a replicated data axis")
+    return options, cast, notes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A planned run: predicted throughput, MFU and memory, or why planning failed."""
+
+    run: PublishedRun
+    tokens_per_s_per_gpu: float | None
+    memory_gib: float | None
+    flops_per_token: float
+    plan_s: float
+    notes: tuple[str, ...]
+    error: str = ""
+    split: tuple[tuple[str, float], ...] = ()  # (part, seconds) of the predicted step
+
+    @property
+    def ratio(self) -> float | None:
+        return self.tokens_per_s_per_gpu / self.run.tokens_per_s_per_gpu if self.tokens_per_s_per_gpu else None
+
+    def mfu(self, tokens_per_s: float | None) -> float | None:
+        peak = device_spec(self.run.device).peak_flops(_COMPUTE_DTYPE[self.run.precision])
+        return tokens_per_s * self.flops_per_token / peak if tokens_per_s else None
+
+
+def flops_per_token(model: torch.nn.Module, run: PublishedRun) -> float:
+    """6 N + 12 L d s: N the parameters in matmuls (an untied input embedding left out)."""
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    n = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.numel())
+    cfg = model.config
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * run.seq
+
+
+def plan_run(run: PublishedRun) -> Outcome:
+    """Plan one run as published (or its closest expressible plan) and predict its numbers."""
+    model = build(run)
+    fpt = flops_per_token(model, run)
+    options, cast, notes = plan_options(run)
+    if cast is not None:
+        model = model.to(cast)
+    spec = device_spec(run.device)
+    spec = spec.compiled() if run.compiled else spec
+    ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")
+    start = time.perf_counter()
+    try:
+        try:
+            plan = autojigsaw.plan(model, (ids,), run.mesh, device=spec, example_kwargs={"labels": ids},
+                                   memory_budget=run.memory_budget, **options)
+        except ValueError as e:
+            if not notes or "memory" not in str(e).lower():
+                raise
+            notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned without "
+                         "a memory limit")
+            plan = autojigsaw.plan(model, (ids,), run.mesh, device=spec, example_kwargs={"labels": ids},
+                                   memory_budget=_NO_BUDGET, **options)
+    except Exception as e:  # noqa: BLE001 - one run that can't be planned must not hide the others
+        return Outcome(run, None, None, fpt, time.perf_counter() - start, tuple(notes),
+                       f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    tps = run.tokens_per_step / plan.step_time / run.gpus
+    return Outcome(run, tps, plan.memory_per_rank / GiB, fpt, time.perf_counter() - start, tuple(notes),
+                   split=time_split(plan))
+
+
+_PARTS = {"matmul": "matmul", "attention": "attention", "softmax": "softmax+norm", "norm": "softmax+norm",
+          "param": "optimizer"}
+PARTS = ("matmul", "attention", "softmax+norm", "other ops", "optimizer", "resharding")
+
+
+def time_split(plan) -> tuple[tuple[str, float], ...]:
+    """Seconds of the predicted step per part: node kinds (kernel-internal collectives included), resharding."""
+    total = dict.fromkeys(PARTS, 0.0)
+    for n in plan.nodes:
+        total[_PARTS.get(n.kind, "other ops")] += n.compute_s
+        total["resharding"] += n.comm_s
+    return tuple(total.items())
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def rows(outcomes: list[Outcome]) -> list[tuple]:
+    out = []
+    for o in outcomes:
+        r = o.run
+        mesh = " x ".join(f"{k}={v}" for k, v in r.mesh.items())
+        out.append((r.name, r.gpus, mesh, _f(o.tokens_per_s_per_gpu, ",.0f"), f"{r.tokens_per_s_per_gpu:,.0f}",
+                    _f(o.ratio, ".2f"), _f(o.mfu(o.tokens_per_s_per_gpu), ".1%"),
+                    _f(o.mfu(r.tokens_per_s_per_gpu), ".1%"),
+                    _f(o.memory_gib, ".1f"), _f(r.memory_gib, ".1f"), f"{o.plan_s:.1f}",
+                    "; ".join(o.notes + ((o.error,) if o.error else ()))))
+    return out
+
+
+HEADERS = ["run", "GPUs", "mesh", "tok/s/GPU pred", "published", "ratio", "MFU pred", "MFU pub",
+           "GiB pred", "GiB pub", "plan s", "notes"]
+
+
+def main(argv: list[str] | None = None) -> Report:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", metavar="NAME", help=f"runs to plan, of {[r.name for r in RUNS]}")
+    p.add_argument("--tiny", action="store_true", help="two-layer, 64-wide models (the smoke test)")
+    args = p.parse_args(argv)
+    runs = [run_named(n) for n in args.only] if args.only else list(RUNS)
+    if args.tiny:
+        runs = [tiny(r) for r in runs]
+    rep = Report("published", "Published training runs, replanned" + (" (tiny models)" if args.tiny else ""))
+    outcomes = []
+    for run in runs:
+        print(f"planning {run.name} ({run.gpus} x {run.device}, {run.mesh}) ...", flush=True)
+        outcomes.append(plan_run(run))
+    ratios = [o.ratio for o in outcomes if o.ratio]
+    worst = max(ratios, key=lambda x: abs(x - 1), default=None)
+    rep.table("Predicted against published, per GPU", rows(outcomes), HEADERS,
+              f"worst throughput ratio: {_f(worst, '.2f')}; MFU = tokens/s x (6N + 12 L d s) / peak "
+              "(both columns, same formula)")
+    rep.table("Where the predicted step goes (% of the sum of node and resharding times)",
+              [(o.run.name, *(f"{100 * t / max(sum(dict(o.split).values()), 1e-30):.0f}" for _, t in o.split))
+               for o in outcomes if o.split], ["run", *PARTS])
+    rep.text("Sources", "\n".join(
+        f"{o.run.name}: {o.run.source}" + (f"; stated MFU {o.run.mfu:.1%}" if o.run.mfu else "")
+        + (f" ({o.run.note})" if o.run.note else "") for o in outcomes))
+    rep.save()
+    return rep
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Published, measured training runs: model, cluster, parallel layout and what was measured (data).
+
+Each run is what its source states, with the source named (repository + path, or paper +
+table). Only runs autojigsaw can express are listed: data, FSDP and tensor parallelism with
+or without recomputation, one step per optimizer step. Not here, because they need a layout
+the planner does not have: pipeline parallelism (torchtitan's 405B rows, Megatron-LM's 39B+
+rows, Llama 3's 405B pretraining, 38-43 % BF16 MFU on 8-16k H100s, arXiv 2407.21783 Table 4)
+and Float8 GEMMs (torchtitan's "+ Float8" rows and its 70B FSDP 32 x TP 8 run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (linked from docs/performance.md)"
+PTDP = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
+        "arXiv 2104.04473, Table 1 (also NVIDIA/Megatron-LM README, 2021)")
+SELECTIVE = ("Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models, "
+             "arXiv 2205.05198, Tables 3 and 5")
+
+LLAMA_3_1_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                "rope_theta": 500000.0, "max_position_embeddings": 131072}
+
+
+def gpt(hidden: int, layers: int, heads: int, seq: int = 2048, vocab: int = 51200) -> dict:
+    """A Megatron GPT as transformers' GPT2Config: 4h MLP, GELU, LayerNorm, tied embeddings."""
+    return {"n_embd": hidden, "n_layer": layers, "n_head": heads, "n_inner": 4 * hidden, "vocab_size": vocab,
+            "n_positions": seq}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One measured run: what was trained, on what, how, and what it reached."""
+
+    name: str
+    family: str  # "llama" (transformers LlamaConfig) or "gpt2" (GPT2Config)
+    config: dict = field(hash=False)  # the model, in that config's keyword arguments
+    gpus: int
+    device: str  # an autojigsaw device spec name
+    mesh: dict = field(hash=False)  # {"data": .., "tensor": ..}: data first (across nodes), tensor inside a node
+    global_batch: int  # sequences per optimizer step
+    seq: int
+    precision: str  # "bf16 mixed" (fp32 master weights and reductions) or "fp16 mixed"
+    recompute: str  # torchtitan's names: "none", "selective", "full"
+    data_parallel: str  # "fsdp" or "ddp"
+    compiled: bool  # torch.compile (fuses elementwise ops)
+    tokens_per_s_per_gpu: float
+    source: str
+    memory_gib: float | None = None  # peak per GPU, as published
+    mfu: float | None = None  # as the source states it (its own FLOP count)
+    memory_budget: float | None = None  # bytes the plan may use per GPU (None: 90 % of the device)
+    note: str = ""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+
+def _tps_from_tflops(tflops: float, cfg: dict, seq: int) -> float:
+    """tokens/s per GPU from Megatron's achieved TFLOP/s per GPU.
+
+    Narayanan et al. count 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs per batch of B
+    sequences, full recomputation included (their eq. 3): divide by B s for one token.
+    """
+    h, l, v = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"]
+    per_token = 96 * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
+    return tflops * 1e12 / per_token
+
+
+_GPT_7_5B, _GPT_18_4B, _GPT_22B = gpt(4096, 36, 32), gpt(6144, 40, 48), gpt(6144, 48, 64)
+
+RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        "torchtitan-8b-fsdp8", "llama", LLAMA_3_1_8B, gpus=8, device="h100-96gb", mesh={"data": 8},
+        global_batch=16, seq=8192, precision="bf16 mixed", recompute="selective", data_parallel="fsdp",
+        compiled=True, tokens_per_s_per_gpu=6667, memory_gib=77.0, mfu=0.39, memory_budget=92e9,
+        source=TORCHTITAN + ", Table 1, row FSDP + torch.compile",
+        note="H100 96 GB HBM2e at 500 W; MFU 33-39 % stated for the 1-D 8B runs (footnote 2, SXM peak)"),
+    PublishedRun(
+        "torchtitan-8b-fsdp8-eager", "llama", LLAMA_3_1_8B, gpus=8, device="h100-96gb", mesh={"data": 8},
+        global_batch=16, seq=8192, precision="bf16 mixed", recompute="selective", data_parallel="fsdp",
+        compiled=False, tokens_per_s_per_gpu=5762, memory_gib=82.4, mfu=0.33, memory_budget=92e9,
+        source=TORCHTITAN + ", Table 1, row FSDP", note="the same run without torch.compile"),
+    PublishedRun(
+        "torchtitan-8b-fsdp128", "llama", LLAMA_3_1_8B, gpus=128, device="h100-96gb", mesh={"data": 128},
+        global_batch=256, seq=8192, precision="bf16 mixed", recompute="selective", data_parallel="fsdp",
+        compiled=True, tokens_per_s_per_gpu=6514, memory_gib=62.0, memory_budget=92e9,
+        source=TORCHTITAN + ", Table 3, row FSDP + torch.compile", note="16 nodes, 400 Gb/s RDMA per GPU"),
+    PublishedRun(
+        "megatron-7.5b-tp4", "gpt2", _GPT_7_5B, gpus=128, device="a100", mesh={"data": 32, "tensor": 4},
+        global_batch=512, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
+        compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(142, _GPT_7_5B, 2048), mfu=0.46,
+        source=PTDP + ", row 7.5B: 142 TFLOP/s per GPU (46 % of peak)",
+        note="tokens/s derived from the TFLOP/s; the 46 % counts recomputation (hardware FLOPs); "
+             "micro-batch size not stated (the plan runs each replica's 16 sequences at once)"),
+    PublishedRun(
+        "megatron-18.4b-tp8", "gpt2", _GPT_18_4B, gpus=256, device="a100", mesh={"data": 32, "tensor": 8},
+        global_batch=1024, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
+        compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(135, _GPT_18_4B, 2048), mfu=0.43,
+        source=PTDP + ", row 18.4B: 135 TFLOP/s per GPU (43 % of peak)",
+        note="as the 7.5B row; 32 sequences per replica"),
+    PublishedRun(
+        "megatron-22b-tp8-selective", "gpt2", _GPT_22B, gpus=8, device="a100", mesh={"tensor": 8},
+        global_batch=4, seq=2048, precision="fp16 mixed", recompute="selective", data_parallel="ddp",
+        compiled=False, tokens_per_s_per_gpu=4 * 2048 / 1.10 / 8, mfu=0.415,
+        source=SELECTIVE + ": 22B, TP 8, 1.10 s per iteration with sequence parallelism + selective "
+                           "recomputation (1.42 s with full recomputation), MFU 41.5 %",
+        note="one DGX A100; tokens/s = 4 x 2048 / 1.10 s / 8"),
+)
+
+
+def run_named(name: str) -> PublishedRun:
+    for run in RUNS:
+        if run.name == name:
+            return run
+    raise ValueError(f"no published run {name!r}; known: {[r.name for r in RUNS]}")

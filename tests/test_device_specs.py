@@ -1,0 +1,123 @@
+"""Device specs: kernel efficiency by size, fabrics, torch.compile, against published microbenchmarks."""
+
+import numpy as np
+import pytest
+import sympy
+import torch
+
+from autojigsaw.cost_model.compute import memory_time, roofline_time
+from autojigsaw.cost_model.devices import DEVICES, KERNEL_KINDS, DeviceSpec, Efficiency, device_spec
+
+GPUS = ("h100", "h100-96gb", "h200", "a100")
+SIZES = np.logspace(3, 15, 49)
+
+
+def _tflops(m: int, n: int, k: int, device: str, batch: int = 1) -> float:
+    """Predicted bf16 TFLOP/s of one (batched) GEMM: its FLOPs over roofline_time."""
+    f = 2 * batch * m * n * k
+    moved = batch * (m * k + k * n + m * n) * 2
+    return f / roofline_time(f, moved, torch.bfloat16, device_spec(device), "matmul") / 1e12
+
+
+@pytest.mark.parametrize("name", list(DEVICES))
+def test_efficiency_is_monotone_in_size_and_within_0_1(name):
+    spec = device_spec(name)
+    for kind in KERNEL_KINDS:
+        e = spec.kernel_efficiency(kind).at(SIZES)
+        assert np.all((e > 0) & (e <= 1)), (name, kind)
+        assert np.all(np.diff(e) >= 0), (name, kind)
+    # the whole kernel (floor and memory traffic included) also gets faster per FLOP as it grows
+    seconds = roofline_time(SIZES, SIZES / 100, torch.bfloat16, spec, "matmul")
+    achieved = SIZES / seconds / spec.peak_flops(torch.bfloat16)
+    assert np.all((achieved > 0) & (achieved <= 1)) and np.all(np.diff(achieved) >= -1e-12)
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_specs_print_their_efficiencies_and_fabrics(name):
+    text = str(device_spec(name))
+    assert "matmul kernels" in text and "attention kernels" in text and "optimizer kernels" in text
+    assert "NVLink" in text and "InfiniBand" in text
+    assert "fused" in str(device_spec(name + "+compile"))
+
+
+# OpenXLA's measured cuBLAS bf16 table for sm_90 (xla/service/gpu/model/matmul_interpolator_data.h):
+# (batch, m, n, k, TFLOP/s). The spec's line goes through 2048^3 and 4096^3; the others test it.
+XLA_SM90 = [(1, 4096, 4096, 4096, 783.3), (1, 2048, 2048, 2048, 632.0), (2, 4096, 2048, 4096, 783.2),
+            (2, 4096, 1024, 4096, 750.6), (4, 2048, 2048, 2048, 725.7), (2, 2048, 4096, 1024, 678.7),
+            (4, 1024, 2048, 2048, 712.7), (1, 2048, 1024, 2048, 523.3), (1, 1024, 2048, 2048, 524.3)]
+
+
+@pytest.mark.parametrize("batch, m, n, k, measured", XLA_SM90)
+def test_h100_gemm_matches_the_measured_table_within_10_percent(batch, m, n, k, measured):
+    assert _tflops(m, n, k, "h100", batch) == pytest.approx(measured, rel=0.10)
+
+
+def test_big_gemms_at_the_published_maximum_achievable_throughput():
+    # stas00/ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS":
+    # H100 SXM 792.1 TFLOP/s at 6144x17920x2816, A100 SXM 267.9 at 6912x16384x2048 (bf16)
+    assert _tflops(6144, 17920, 2816, "h100") == pytest.approx(792.1, rel=0.10)
+    assert _tflops(6912, 16384, 2048, "a100") == pytest.approx(267.9, rel=0.10)
+    # small GEMMs are far from it: a 256 x 512 x 256 one (the table: 11.5 TFLOP/s)
+    assert _tflops(256, 512, 256, "h100") < 0.03 * 989.4
+
+
+def test_the_cpu_spec_is_the_plain_roofline():
+    """Plans on "cpu" must not change: efficiency 1, no per-kernel overhead, no fusion."""
+    cpu = device_spec("cpu")
+    assert all(cpu.kernel_efficiency(k) == Efficiency() for k in KERNEL_KINDS) and not cpu.fused_pointwise
+    for f, b in [(1e3, 1e3), (1e9, 1e6), (1e6, 1e9)]:
+        for kind in ("matmul", "attention", "norm", "elementwise"):
+            plain = max(f / cpu.peak_flops(torch.float32), b / cpu.memory_bandwidth, cpu.kernel_floor_s)
+            assert roofline_time(f, b, torch.float32, cpu, kind) == plain
+    assert memory_time(1e9, cpu, "optimizer") == 1e9 / cpu.memory_bandwidth
+
+
+def test_roofline_on_ints_arrays_and_formulas_agree():
+    spec = device_spec("h100")
+    x = sympy.Symbol("x", positive=True)
+    for kind in ("matmul", "attention", "softmax"):
+        expr = roofline_time(x * 1e9, x * 1e6, torch.bfloat16, spec, kind)
+        assert isinstance(expr, sympy.Expr)
+        arr = roofline_time(np.array([3.0, 300.0]) * 1e9, np.array([3.0, 300.0]) * 1e6, torch.bfloat16, spec, kind)
+        for i, v in enumerate((3, 300)):
+            assert float(expr.subs(x, v)) == pytest.approx(arr[i])
+            assert roofline_time(v * 10**9, v * 10**6, torch.bfloat16, spec, kind) == pytest.approx(arr[i])
+
+
+def test_attention_runs_below_gemm_efficiency_on_hopper():
+    spec = device_spec("h100")
+    f = 1e12
+    gemm = roofline_time(f, 1e8, torch.bfloat16, spec, "matmul")
+    attention = roofline_time(f, 1e8, torch.bfloat16, spec, "attention")
+    assert attention / gemm == pytest.approx(0.82 / 0.35, rel=0.02)  # FlashAttention-2: 35 % of peak
+
+
+def test_memory_bound_ops_at_90_percent_of_hbm_and_cheaper_when_compiled():
+    eager, compiled = device_spec("h100"), device_spec("h100+compile")
+    numel = 16 * 8192 * 4096
+    moved = 3 * numel * 2  # an add: two bf16 inputs, one output
+    t = roofline_time(numel, moved, torch.bfloat16, eager, "elementwise")
+    assert t == pytest.approx(moved / (0.9 * 3.35e12))
+    fused = roofline_time(numel, moved, torch.bfloat16, compiled, "elementwise")
+    assert fused == pytest.approx(t / 3)  # only its output is written
+    assert roofline_time(numel, moved, torch.bfloat16, compiled, "norm") == t  # reductions keep their kernel
+    assert roofline_time(1, 6, torch.bfloat16, compiled, "elementwise") < eager.kernel_floor_s
+
+
+def test_an_axis_across_nodes_uses_one_nic_per_gpu_of_the_node_in_it():
+    h100 = device_spec("h100")
+    assert h100.axis_link((8,), 0).name == "NVLink 4"
+    whole_nodes = h100.axis_link((128,), 0)  # 8 rails per node, capped at NVLink's rate
+    assert whole_nodes.bandwidth == h100.intra_node.bandwidth
+    assert h100.axis_link((32, 4), 0).bandwidth == 2 * h100.inter_node.bandwidth
+    assert h100.axis_link((16, 8), 0) == h100.inter_node  # one GPU per node: one NIC
+
+
+def test_bad_efficiencies_are_rejected():
+    with pytest.raises(ValueError, match="ceiling"):
+        Efficiency(1.5)
+    with pytest.raises(ValueError, match="unknown kernel kinds"):
+        DeviceSpec("x", flops=(("float32", 1e12),), memory_bytes=1, memory_bandwidth=1.0,
+                   intra_node=device_spec("h100").intra_node, inter_node=device_spec("h100").inter_node,
+                   devices_per_node=1, efficiency=(("gemm", Efficiency()),))
+    assert device_spec("h100+compile").compiled() == device_spec("h100+compile")
