@@ -9,6 +9,7 @@ Then a tiny Llama and GPT-2 return their loss for `labels=` and train one Adam s
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -21,11 +22,15 @@ from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.kernels.cross_entropy import vocab_parallel_cross_entropy
 from autojigsaw.local_ranks import get_mesh
 from autojigsaw.passes.comm_accounting import traffic_by_origin
-from autojigsaw.placements import chunk_sizes
+from autojigsaw.placements import Shard, chunk_sizes
 
 from .hf_models import hf_model
 
 V, ROWS = 97, 12  # 97 classes split unevenly over 2 and 4 ranks
+VOCAB = 509  # the language models' (prime: uneven over 2 ranks)
+LR, EPS = 1e-2, 1e-8  # Adam's
+LM_HEAD = {"llama": "linear_14", "gpt2": "linear"}  # the node making the logits
+FP32_U = 2.0**-24
 
 
 def _chunk(t, dim, n, r):
@@ -94,3 +99,104 @@ def test_kernel_matches_cross_entropy(world, ranks2, ranks4):
 
 def test_kernel_with_rows_sharded_takes_the_global_mean(ranks4):
     assert ranks4.run(_kernel_case, 2) == [[]] * 4
+
+
+# ---------------------------------------------------------------- language models
+
+
+class LossOnly(torch.nn.Module):
+    """A causal LM called with `labels=`, returning its loss (as a training loop reads `.loss`)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, labels):
+        return self.lm(ids, labels=labels).loss
+
+
+def _lm(name: str, dtype=torch.float64, vocab: int = VOCAB):
+    """(model, (ids, labels)): a tiny `name` on 4 x 32 tokens, its first three labels ignored (-100).
+
+    As in real training, the logits outweigh the embedding: more rows (128) than hidden units (64),
+    more classes than hidden units (gathering GPT-2's tied embedding for the lookup then costs
+    less than gathering the logits).
+    """
+    lm, _ = hf_model(name)
+    lm.config.vocab_size = vocab
+    torch.manual_seed(0)
+    lm = type(lm)(lm.config)
+    ids = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return LossOnly(lm).to(dtype).train(), (ids, labels)
+
+
+def _plan(name: str, mesh: dict) -> Plan:
+    """The plan under 0.7 of the 1-rank plan's bytes, so that weights and logits get sharded."""
+    model, inputs = _lm(name)
+    whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+    return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(0.7 * whole))
+
+
+def _train(name: str, shape: tuple, axes: tuple, plan: str) -> dict:
+    """One Adam step next to one device: largest differences, bytes counted and predicted."""
+    ref, inputs = _lm(name)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh(shape, axes), inputs, compile=False,
+                                    plan=Plan.from_json(plan))
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=LR, eps=EPS) for m in (pmodel, ref))
+    with count_comm() as log:
+        loss = pmodel(*inputs)
+        loss.backward()
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    out = {"loss": abs(loss.item() - ref_loss.item()), "loss_scale": abs(ref_loss.item()),
+           "grad": 0.0, "grad_scale": 0.0, "param": 0.0, "step_excess": 0.0}
+    # Adam's first step is lr g / (|g| + eps): a gradient off by dg moves it by up to
+    # lr eps dg / (|g| + eps)^2, much more than dg where |g| is near eps.
+    allowed = []
+    for p, q in zip(pmodel.parameters(), ref.parameters()):
+        dg = (p.grad.full_tensor() - q.grad).abs()
+        out["grad"] = max(out["grad"], dg.max().item())
+        out["grad_scale"] = max(out["grad_scale"], q.grad.abs().max().item())
+        allowed.append(2 * LR * EPS * dg / (q.grad.abs() + EPS) ** 2)
+    opt.step(), ref_opt.step()
+    for p, q, a in zip(pmodel.parameters(), ref.parameters(), allowed):
+        dp = (p.full_tensor() - q).abs()
+        out["param"] = max(out["param"], dp.max().item())
+        out["step_excess"] = max(out["step_excess"], (dp - a).max().item())
+    out["measured"] = log.total_bytes
+    out["predicted"] = sum(traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.params),
+                                             True).values())
+    out["loss_bytes"] = sum(b for k, a, b in log.calls if k == "all_gather" and a == "tensor")
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("mesh", [{"tensor": 2}, {"data": 2, "tensor": 2}], ids=["tensor2", "data2xtensor2"])
+def test_language_model_loss_is_vocab_parallel_and_trains_like_one_device(name, mesh, ranks2, ranks4):
+    plan = _plan(name, mesh)
+    loss = plan.node("cross_entropy_loss")
+    assert loss.kernel == "vocab_parallel_cross_entropy" and not loss.fallback, plan.table()
+    tensor = list(mesh).index("tensor")
+    rows, chunk = 4 * 32, -(-VOCAB // 2)
+    # Every value with the classes as its last dim stays sharded over them: 1/N of the logits per rank.
+    logits = [n for n in plan.nodes if n.kind not in ("param", "input") and n.shape and n.shape[-1] == VOCAB]
+    assert LM_HEAD[name] in {n.name for n in logits}
+    for n in logits:
+        assert n.output[tensor] == Shard(len(n.shape) - 1), (n.name, n.output)
+    # The loss keeps its fp32 chunk of the logits, a log-sum-exp and a target per row, and its output
+    # and output gradient (a replicated loss would keep the whole log-softmax: rows x VOCAB x 4 bytes).
+    assert loss.memory_bytes == rows * chunk * 4 + rows * (4 + 8) + 2 * 4, loss.memory_bytes
+    # One all-gather of 3 fp32 statistics per row of this rank's rows.
+    row_ranks = math.prod(s for a, s in enumerate(mesh.values()) if loss.inputs[0][a] == Shard(0))
+    assert loss.comm_bytes == 3 * 4 * (rows // row_ranks), loss.comm_bytes
+    pool = ranks2 if len(mesh) == 1 else ranks4
+    for rank, r in enumerate(pool.run(_train, name, tuple(mesh.values()), tuple(mesh), plan.to_json())):
+        # HF's loss upcasts the logits to fp32: loss and gradients agree to fp32 rounding
+        assert r["loss"] <= 16 * FP32_U * r["loss_scale"], r
+        assert r["grad"] <= 16 * FP32_U * r["grad_scale"], r
+        assert r["step_excess"] <= 1e-14, r
+        assert r["measured"] == r["predicted"] > 0, r
+        if rank == 0:
+            assert r["measured"] == plan.comm_bytes, (r, plan.comm_bytes)
