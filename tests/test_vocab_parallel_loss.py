@@ -6,6 +6,7 @@ ignored targets, every reduction, label smoothing, and rows also sharded (a glob
 Then a tiny Llama and GPT-2 return their loss for `labels=` and train one Adam step on
 {"tensor": 2} and a 2x2 mesh next to one device: the plan must run the loss by the kernel
 (no fallback), keep the logits sharded (1/N of them per rank) and predict the bytes sent exactly.
+A bare head with many rows puts them over "data" and the classes over "tensor": a global mean.
 """
 
 import copy
@@ -22,7 +23,7 @@ from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.kernels.cross_entropy import vocab_parallel_cross_entropy
 from autojigsaw.local_ranks import get_mesh
 from autojigsaw.passes.comm_accounting import traffic_by_origin
-from autojigsaw.placements import Shard, chunk_sizes
+from autojigsaw.placements import Partial, Shard, chunk_sizes
 
 from .hf_models import hf_model
 
@@ -55,39 +56,40 @@ def _kernel_case(row_split: int):
         count_over = ((row_split, "rows", mesh.get_group("rows").group_name),)
         row_r, class_r = mesh.get_coordinate()
     fails = []
-    for dtype in (torch.float32, torch.float64):
-        for reduction in ("mean", "sum", "none"):
-            for smoothing in (0.0, 0.1):
-                torch.manual_seed(0)
-                x = (3 * torch.randn(ROWS, V, dtype=dtype)).requires_grad_()
-                target = torch.randint(0, V, (ROWS,))
-                target[::4] = -100  # ignored rows
-                target[1] = V - 1  # the last class: owned by the last non-empty chunk
-                ref = F.cross_entropy(x, target, reduction=reduction, label_smoothing=smoothing)
-                g = torch.randn(ref.shape, dtype=dtype)
-                (ref * g).sum().backward()
-                sizes = chunk_sizes(V, classes_n)
-                mine = _chunk(_chunk(x.detach(), 0, row_split, row_r), 1, classes_n, class_r).requires_grad_()
-                t = _chunk(target, 0, row_split, row_r)
-                loss = vocab_parallel_cross_entropy(
-                    mine, t, reduction, -100, smoothing, classes=V, offset=sum(sizes[:class_r]),
-                    n=classes_n, axis="classes", group=class_group,
-                    count_over=count_over if reduction == "mean" else ())
-                gl = g if reduction != "none" else _chunk(g, 0, row_split, row_r)
-                (loss * gl).sum().backward()
-                name = f"{dtype} {reduction} smoothing={smoothing} rows/{row_split}"
-                want = ref.detach() if reduction != "none" else _chunk(ref.detach(), 0, row_split, row_r)
-                if reduction != "none" and row_split > 1:  # this rank's part of the sum over row groups
-                    parts = [torch.zeros_like(loss) for _ in range(n)]
-                    dist.all_gather(parts, loss.detach())
-                    got = sum(parts[k] for k in range(0, n, classes_n))
-                else:
-                    got = loss.detach()
-                if not torch.allclose(got, want, **_tol(dtype)):
-                    fails.append(f"{name} loss: {got} != {want}")
-                dwant = _chunk(_chunk(x.grad, 0, row_split, row_r), 1, classes_n, class_r)
-                if mine.grad.dtype != dtype or not torch.allclose(mine.grad, dwant, **_tol(dtype)):
-                    fails.append(f"{name} dx: max err {(mine.grad - dwant).abs().max().item():.3g}")
+    cases = [(dtype, shape, reduction, smoothing) for dtype in (torch.float32, torch.float64)
+             for shape in ((ROWS, V), (3, V, 4)) for reduction in ("mean", "sum", "none")
+             for smoothing in (0.0, 0.1) if shape == (ROWS, V) or dtype == torch.float64]
+    for dtype, shape, reduction, smoothing in cases:
+        torch.manual_seed(0)
+        x = (3 * torch.randn(shape, dtype=dtype)).requires_grad_()
+        target = torch.randint(0, V, shape[:1] + shape[2:])
+        target.view(-1)[::4] = -100  # ignored rows
+        target.view(-1)[1] = V - 1  # the last class: owned by the last non-empty chunk
+        ref = F.cross_entropy(x, target, reduction=reduction, label_smoothing=smoothing)
+        g = torch.randn(ref.shape, dtype=dtype)
+        (ref * g).sum().backward()
+        sizes = chunk_sizes(V, classes_n)
+        mine = _chunk(_chunk(x.detach(), 0, row_split, row_r), 1, classes_n, class_r).requires_grad_()
+        t = _chunk(target, 0, row_split, row_r)
+        loss = vocab_parallel_cross_entropy(
+            mine, t, reduction, -100, smoothing, classes=V, offset=sum(sizes[:class_r]),
+            n=classes_n, axis="classes", group=class_group,
+            count_over=count_over if reduction == "mean" else ())
+        gl = g if reduction != "none" else _chunk(g, 0, row_split, row_r)
+        (loss * gl).sum().backward()
+        name = f"{dtype} {shape} {reduction} smoothing={smoothing} rows/{row_split}"
+        want = ref.detach() if reduction != "none" else _chunk(ref.detach(), 0, row_split, row_r)
+        if reduction != "none" and row_split > 1:  # this rank's part of the sum over row groups
+            parts = [torch.zeros_like(loss) for _ in range(n)]
+            dist.all_gather(parts, loss.detach())
+            got = sum(parts[k] for k in range(0, n, classes_n))
+        else:
+            got = loss.detach()
+        if not torch.allclose(got, want, **_tol(dtype)):
+            fails.append(f"{name} loss: {got} != {want}")
+        dwant = _chunk(_chunk(x.grad, 0, row_split, row_r), 1, classes_n, class_r)
+        if mine.grad.dtype != dtype or not torch.allclose(mine.grad, dwant, **_tol(dtype)):
+            fails.append(f"{name} dx: max err {(mine.grad - dwant).abs().max().item():.3g}")
     return fails
 
 
@@ -132,16 +134,36 @@ def _lm(name: str, dtype=torch.float64, vocab: int = VOCAB):
     return LossOnly(lm).to(dtype).train(), (ids, labels)
 
 
+class Head(torch.nn.Module):
+    """A language model's head and loss alone, in fp64 (no upcast): 8 x 256 tokens, more rows than weights."""
+
+    def __init__(self, hidden: int = 4):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, VOCAB)
+
+    def forward(self, h, labels):
+        return F.cross_entropy(self.proj(h).flatten(0, 1), labels.flatten())
+
+
+def _build(name: str):
+    if name != "head":
+        return _lm(name)
+    torch.manual_seed(0)
+    labels = torch.randint(0, VOCAB, (8, 256))
+    labels[:3, :40] = -100  # ignored: 120 in the first data rank's rows, none in the second's
+    return Head().to(torch.float64), (torch.randn(8, 256, 4, dtype=torch.float64), labels)
+
+
 def _plan(name: str, mesh: dict) -> Plan:
     """The plan under 0.7 of the 1-rank plan's bytes, so that weights and logits get sharded."""
-    model, inputs = _lm(name)
+    model, inputs = _build(name)
     whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
     return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(0.7 * whole))
 
 
 def _train(name: str, shape: tuple, axes: tuple, plan: str) -> dict:
     """One Adam step next to one device: largest differences, bytes counted and predicted."""
-    ref, inputs = _lm(name)
+    ref, inputs = _build(name)
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh(shape, axes), inputs, compile=False,
                                     plan=Plan.from_json(plan))
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=LR, eps=EPS) for m in (pmodel, ref))
@@ -168,7 +190,6 @@ def _train(name: str, shape: tuple, axes: tuple, plan: str) -> dict:
     out["measured"] = log.total_bytes
     out["predicted"] = sum(traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.params),
                                              True).values())
-    out["loss_bytes"] = sum(b for k, a, b in log.calls if k == "all_gather" and a == "tensor")
     return out
 
 
@@ -196,6 +217,21 @@ def test_language_model_loss_is_vocab_parallel_and_trains_like_one_device(name, 
         # HF's loss upcasts the logits to fp32: loss and gradients agree to fp32 rounding
         assert r["loss"] <= 16 * FP32_U * r["loss_scale"], r
         assert r["grad"] <= 16 * FP32_U * r["grad_scale"], r
+        assert r["step_excess"] <= 1e-14, r
+        assert r["measured"] == r["predicted"] > 0, r
+        if rank == 0:
+            assert r["measured"] == plan.comm_bytes, (r, plan.comm_bytes)
+
+
+def test_rows_over_the_data_axis_take_the_global_mean(ranks4):
+    """Rows over "data", classes over "tensor": the mean divides by the count of every rank's targets."""
+    mesh = {"data": 2, "tensor": 2}
+    plan = _plan("head", mesh)
+    loss = plan.node("cross_entropy_loss")
+    assert loss.kernel == "vocab_parallel_cross_entropy" and loss.inputs[0] == (Shard(0), Shard(1)), plan.table()
+    assert loss.outputs[0][0] == Partial(), loss.outputs
+    for rank, r in enumerate(ranks4.run(_train, "head", (2, 2), tuple(mesh), plan.to_json())):
+        assert r["loss"] <= 1e-14 * r["loss_scale"] and r["grad"] <= 1e-14 * r["grad_scale"], r
         assert r["step_excess"] <= 1e-14, r
         assert r["measured"] == r["predicted"] > 0, r
         if rank == 0:
