@@ -236,3 +236,22 @@ def test_rows_over_the_data_axis_take_the_global_mean(ranks4):
         assert r["measured"] == r["predicted"] > 0, r
         if rank == 0:
             assert r["measured"] == plan.comm_bytes, (r, plan.comm_bytes)
+
+
+def _compiled_loss(plan: str) -> tuple[float, float, float]:
+    """(loss, reference loss, largest gradient difference) of the head compiled (fullgraph)."""
+    ref, inputs = _build("head")
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=True,
+                                    plan=Plan.from_json(plan))
+    loss, ref_loss = pmodel(*inputs), ref(*inputs)
+    loss.backward(), ref_loss.backward()
+    grad = max((p.grad.full_tensor() - q.grad).abs().max().item()
+               for p, q in zip(pmodel.parameters(), ref.parameters()))
+    return loss.item(), ref_loss.item(), grad
+
+
+def test_kernel_compiles_without_graph_breaks(ranks2):
+    plan = _plan("head", {"tensor": 2})
+    assert plan.node("cross_entropy_loss").kernel == "vocab_parallel_cross_entropy", plan.table()
+    for loss, ref, grad in ranks2.run(_compiled_loss, plan.to_json()):
+        assert abs(loss - ref) <= 1e-14 * abs(ref) and grad <= 1e-14, (loss, ref, grad)
