@@ -75,7 +75,7 @@ def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
-def _raw_all_gather(x, dim, sizes, axis, group):
+def raw_all_gather(x, dim, sizes, axis, group):
     n = len(sizes)
     chunk = max(sizes)
     x = _pad_dim(x, dim, chunk).movedim(dim, 0).contiguous()
@@ -143,7 +143,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, sizes, coord, axis, group, grad):
         ctx.args = (dim, sizes, coord, axis, group, grad)
-        return _raw_all_gather(x, dim, sizes, axis, group)
+        return raw_all_gather(x, dim, sizes, axis, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -164,7 +164,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dim, sizes, axis, group, op = ctx.args
-        gx = _raw_all_gather(g.contiguous(), dim, sizes, axis, group)
+        gx = raw_all_gather(g.contiguous(), dim, sizes, axis, group)
         if op == "avg":
             gx = gx / len(sizes)
         return gx, None, None, None, None, None, None
@@ -216,7 +216,7 @@ class _ShardSlice(torch.autograd.Function):
     def backward(ctx, g):
         dim, sizes, coord, axis, group, grad, full = ctx.args
         if grad == "R":
-            gx = _raw_all_gather(g.contiguous(), dim, sizes, axis, group)
+            gx = raw_all_gather(g.contiguous(), dim, sizes, axis, group)
         else:  # a zero-padded contribution: the sum over the axis is the full gradient
             gx = g.new_zeros(g.shape[:dim] + (full,) + g.shape[dim + 1:])
             gx.narrow(dim, _offset(sizes, coord), sizes[coord]).copy_(g)

@@ -74,4 +74,4 @@ def kernel_axis(node: Node, placements: Placements, dim: int, kernel: str) -> in
     return axes[0]
 
 
-from . import attention, batched_matmul, conv, elementwise, matmul, norm, softmax  # noqa: E402,F401  (register the rules)
+from . import attention, batched_matmul, conv, cross_entropy, elementwise, matmul, norm, softmax  # noqa: E402,F401  (register the rules)
