@@ -1,28 +1,51 @@
-"""The recipe: capture, strategies, costs, solve -> Plan; then rewrite, shard and compile."""
+"""The recipe: capture -> strategies -> costs -> solve -> Plan; then rewrite -> materialize -> compile.
+
+`plan` runs the first half on any mesh without a process group; `parallelize` runs all of it on
+each rank (at the first call when no example inputs are given) and hands the result to a
+ParallelModule, which only holds and runs it.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from .capture import Captured, capture
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
-from .passes.grad_kinds import grads_by_name
 from .cost_model.memory import Optimizer, optimizer_spec
+from .dtypes import value_carries_grad
+from .ir import grads_by_name
 from .mesh import MeshSpec
-from .passes.comm_accounting import traffic_by_origin
-from .passes.rewrite import RankView, rewrite
-from .passes.strategies import annotate
 from .placements import Placements, normalize
 from .plan import Plan, PlanStats
 from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
-from .runtime.data_parallel import data_pins
+from .rewrite.rewrite import RankView, rewrite
+from .rewrite.traffic import traffic_by_origin
+from .runtime.checks import check_group, check_plan, device_of
+from .runtime.materialize import materialize_model
+from .runtime.module import ParallelModule, Program
+from .strategies.annotate import annotate
+from .strategies.data_pins import data_pins
+
+
+@dataclass(frozen=True)
+class Options:
+    """The planning options `plan` and `parallelize` take, in one place."""
+
+    device: str | DeviceSpec = "h100"  # a spec name ("h100", "cpu", ...) or a spec (autojigsaw.calibrate)
+    training: bool = True
+    memory_budget: int | None = None  # bytes per rank; None: 90 % of the device's memory
+    optimizer: str | Optimizer = "adam"
+    input_placements: Sequence[Placements | None] | None = None  # None: autojigsaw chooses
+    output_placements: Sequence[Placements] | None = None
+    tie_layers: bool | None = None  # one strategy per node of repeated layers; None: for big problems
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str | DeviceSpec = "h100",
@@ -37,24 +60,55 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
     its memory. `tie_layers` gives repeated layers one shared strategy per node (None: for
     big problems only; smaller ones get the exact optimum over every node's choice).
     """
+    options = Options(device, training, memory_budget, optimizer, input_placements, output_placements, tie_layers)
     captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}))
-    return plan_captured(captured, MeshSpec.of(mesh), device=device, training=training,
-                         memory_budget=memory_budget, optimizer=optimizer, input_placements=input_placements,
-                         output_placements=output_placements, tie_layers=tie_layers)
+    return plan_captured(captured, MeshSpec.of(mesh), options)
 
 
-def plan_captured(captured: Captured, mesh: MeshSpec, *, device, training: bool, memory_budget: int | None,
-                  optimizer: str | Optimizer = "adam", input_placements=None, output_placements=None,
-                  tie_layers: bool | None = None) -> Plan:
+def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = None, *, compile: bool = True,
+                training: bool = True, memory_budget: int | None = None, device: str | DeviceSpec | None = None,
+                input_placements: Sequence[Placements | None] | None = None,
+                output_placements: Sequence[Placements] | None = None, example_kwargs: Mapping | None = None,
+                plan: Plan | None = None) -> ParallelModule:
+    """Shard `model` over `mesh` (a named DeviceMesh) by a plan; returns the module to train.
+
+    With example_inputs=None the model is planned at its first call, like torch.compile.
+    """
+    options = Options(device or device_of(mesh), training, memory_budget,
+                      input_placements=input_placements, output_placements=output_placements)
+    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile)
+    module = ParallelModule(model, mesh, build, plan=plan, local_inputs=input_placements is not None)
+    if example_inputs is not None:
+        module.build(tuple(example_inputs), dict(example_kwargs or {}))
+    return module
+
+
+def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
+             options: Options, compile: bool) -> Program:
+    """One rank's program: capture, plan (unless given), materialize its shards, rewrite, compile."""
+    mesh = MeshSpec.of(device_mesh)
+    check_group(device_mesh, mesh)
+    captured = capture(model, args, kwargs)
+    plan = plan if plan is not None else plan_captured(captured, mesh, options)
+    check_plan(plan, mesh)
+    rank = RankView.of(device_mesh, mesh)
+    materialize_model(model, plan.param_placements, device_mesh, rank.coord)
+    # Inputs that do not require grad skip these gradient collectives at run time.
+    differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
+    gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
+    return Program(captured, plan, rank, gm, torch.compile(gm, fullgraph=True) if compile else gm)
+
+
+def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options()) -> Plan:
     """The planning stages on an already captured graph: strategies, costs, solve, Plan."""
-    spec = device_spec(device)
-    budget = int(memory_budget if memory_budget is not None else 0.9 * spec.memory_bytes)
+    spec = device_spec(options.device)
+    budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * spec.memory_bytes)
     t0 = time.perf_counter()
-    annotate(captured.gm, mesh, data_pins(captured, mesh, _fixed_inputs(captured, mesh, input_placements)),
-             _output_placements(captured, mesh, output_placements))
+    annotate(captured.gm, mesh, data_pins(captured, mesh, _fixed_inputs(captured, mesh, options.input_placements)),
+             _output_placements(captured, mesh, options.output_placements))
     t1 = time.perf_counter()
-    ctx = CostContext(mesh, spec, training, optimizer_spec(optimizer))
-    problem = _problem(captured, ctx, tie_layers)
+    ctx = CostContext(mesh, spec, options.training, optimizer_spec(options.optimizer))
+    problem = _problem(captured, ctx, options.tie_layers)
     t2 = time.perf_counter()
     solution = solve(problem, budget)
     if solution is None:

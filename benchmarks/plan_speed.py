@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
-from autojigsaw.api import plan_captured
+from autojigsaw.api import Options, plan_captured
 from autojigsaw.capture import capture
 from autojigsaw.mesh import MeshSpec
 
@@ -134,7 +134,7 @@ def timed_plan(layers: int, mesh: dict[str, int], *, hf: bool = False, captured=
         # transformers' model returns its logits (and a loss with labels=); ours returns the loss
         captured = capture(llama(layers, hf), (ids,) if hf else (ids, ids), {"use_cache": False} if hf else {})
     captured_at = clock.read()
-    plan = plan_captured(captured, MeshSpec.of(mesh), device="h100", training=True, memory_budget=None)
+    plan = plan_captured(captured, MeshSpec.of(mesh), Options(device="h100", training=True, memory_budget=None))
     return plan, captured_at, clock.read(), captured
 
 

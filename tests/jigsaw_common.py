@@ -20,9 +20,9 @@ import autojigsaw
 from autojigsaw import api
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.local_ranks import get_mesh
-from autojigsaw.passes.comm_accounting import traffic_by_origin
-from autojigsaw.passes.meta import STRATEGIES
+from autojigsaw.testing.local_ranks import get_mesh
+from autojigsaw.rewrite.traffic import traffic_by_origin
+from autojigsaw.ir import STRATEGIES
 from autojigsaw.placements import format_placements
 from autojigsaw.runtime.materialize import local_view
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 import autojigsaw
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 from autojigsaw.mesh import MeshSpec
 
 from .attention_cases import SDPA, Attention, forced_plan

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..dtypes import acc_dtype
 from .collectives import _c10d, _pad_dim
 from .ring import Layout, from_zigzag, make_layout, ring_shift, to_zigzag, zigzag_sizes
-from ..dtypes import acc_dtype
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag", "zigzag_sizes"]
 

@@ -1,7 +1,7 @@
 """Autograd-aware collectives over one mesh axis, for local shards of DTensor-placed values.
 
 Every function moves a local shard from one placement to another on one mesh axis and
-knows its exact adjoint. Gradients follow one convention (see passes/grad_kinds.py):
+knows its exact adjoint. Gradients follow one convention (see rewrite/grad_kinds.py):
 the gradient of a Shard value is sharded the same way, of a Partial value it is the full
 gradient on every rank, and of a Replicate value it is either the full gradient on every
 rank (grad="R") or a contribution that sums to it over the axis (grad="P"). Functions
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..cost_model.comm import bytes_sent
 from ..dtypes import reduce_dtype
+from ..ir import bytes_sent
 
 _c10d = torch.ops._c10d_functional
 

@@ -9,9 +9,8 @@ from torch.fx import Node
 from ..capture import Captured
 from ..cost_model.compute import ATTENTION, MATMULS, NORMS, SOFTMAX
 from ..cost_model.estimate import CostContext
-from ..passes.grad_kinds import grads_by_name
 from ..cost_model.symbolic import name_sizes
-from ..passes.strategies import output_values, tensor_inputs
+from ..ir import grads_by_name, output_values, tensor_inputs
 from ..plan import NodeSharding, Plan
 from .explain import Explainer
 from .milp import Solution

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.fx import Node
 
-from ..passes.strategies import Strategy, output_values, tensor_inputs
+from ..ir import Strategy, output_values, tensor_inputs
 
 _INDEX = re.compile(r"\[(\d+)\]")
 

@@ -12,10 +12,15 @@ from dataclasses import dataclass
 import numpy as np
 from torch.fx import GraphModule, Node
 
-from ..cost_model.estimate import CostContext, EdgeCosts, consumer_partial_axes, edge_costs, node_costs
+from ..cost_model.estimate import (
+    CostContext,
+    EdgeCosts,
+    consumer_partial_axes,
+    edge_costs,
+    node_costs,
+)
 from ..cost_model.liveness import MemoryModel, build_memory
-from ..passes.meta import STRATEGIES
-from ..passes.strategies import Strategy, output_values, tensor_inputs
+from ..ir import STRATEGIES, Strategy, output_values, tensor_inputs
 from .layers import tie_groups
 
 
@@ -81,7 +86,7 @@ TIE_ABOVE = 4096  # binaries: smaller problems are solved exactly without tying 
 
 def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], grad: dict[str, bool], *,
                   persistent: set[str], tie_layers: bool | None = None) -> Problem:
-    """Costs of every strategy of every node of an annotated graph (passes/strategies.annotate).
+    """Costs of every strategy of every node of an annotated graph (strategies.annotate).
 
     `params`: parameter placeholders -> FQN; `persistent`: placeholders live for the whole step
     (parameters and buffers); `tie_layers`: give repeated layers one shared strategy (None:

@@ -1,9 +1,9 @@
 """Rewrite: Plan + graph -> the graph one rank runs, on local shards with explicit collectives.
 
 Every node of the captured graph becomes: the collectives that move its inputs to the
-placements its strategy needs (passes/redistribute.py), then its op on local shards
+placements its strategy needs (ir.redistribute_steps), then its op on local shards
 (DTensor's local-argument rules make view and factory shapes local) or an autojigsaw
-kernel. Gradient collectives are then set by passes/grad_kinds.py. The result is plain
+kernel. Gradient collectives are then set by rewrite/grad_kinds.py. The result is plain
 FX: `gm.code` reads as the program each rank runs.
 """
 
@@ -16,17 +16,23 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..capture import Captured
+from ..ir import (
+    AXIS,
+    GLOBAL,
+    ORIGIN,
+    PLACEMENTS,
+    output_values,
+    redistribute_steps,
+    step_sizes,
+    tensor_inputs,
+)
 from ..kernels import collectives, registry
 from ..mesh import MeshSpec
 from ..placements import Placements, local_shape
 from ..plan import Plan
-from .dtensor_rules import local_call
+from ..strategies.dtensor_rules import local_call
 from .fuse import fuse_collectives
 from .grad_kinds import set_grad_kinds
-from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
-from .redistribute import redistribute_steps, step_sizes
-from .strategies import output_values, tensor_inputs
-
 
 # Export turned reshapes into views where the traced strides allowed it; local shards
 # from collectives may have other strides, so views become reshapes (still views when legal).
@@ -45,6 +51,12 @@ class RankView:
     @classmethod
     def planning(cls, mesh: MeshSpec) -> RankView:
         return cls(mesh, (0,) * mesh.ndim, (None,) * mesh.ndim)
+
+    @classmethod
+    def of(cls, device_mesh, mesh: MeshSpec) -> RankView:
+        """This process's place in a live DeviceMesh."""
+        groups = tuple(device_mesh.get_group(a).group_name for a in mesh.axis_names)
+        return cls(mesh, tuple(device_mesh.get_coordinate()), groups)
 
 
 def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = True,

@@ -20,9 +20,8 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import Graph, GraphModule, Node
 
-from ..dtypes import value_carries_grad
+from ..ir import AXIS, GLOBAL, ORIGIN, PLACEMENTS, needs_grad
 from ..kernels import collectives as C
-from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
 
 aten = torch.ops.aten
 
@@ -178,24 +177,3 @@ def _contribution(reader: Node, a: int, kinds) -> str:
         return "P"
     own = [kinds.get((reader, i, a), "R") for i in range(len(outs))]
     return "P" if "P" in own else "R"
-
-
-def needs_grad(gm: GraphModule, sources: set[str], value_key: str = GLOBAL) -> dict[Node, bool]:
-    """Nodes whose outputs receive a gradient: of a differentiable dtype and downstream of a source.
-
-    `value_key`: the meta entry holding each node's value (the captured graph's is "val").
-    """
-    out: dict[Node, bool] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            out[node] = node.name in sources
-            continue
-        vals = node.meta.get(value_key)
-        vals = vals if isinstance(vals, (tuple, list)) else [vals]
-        out[node] = any(value_carries_grad(v) for v in vals) and any(out.get(i, False) for i in node.all_input_nodes)
-    return out
-
-
-def grads_by_name(gm: GraphModule, sources: set[str]) -> dict[str, bool]:
-    """needs_grad of a captured (not yet rewritten) graph, by node name."""
-    return {node.name: g for node, g in needs_grad(gm, sources, "val").items()}

@@ -16,14 +16,13 @@ import math
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
+from ...ir import GLOBAL, PLACEMENTS, bytes_sent
 from ...kernels import registry
 from ...kernels.safe_softmax import sharded_safe_softmax
 from ...kernels.softmax import sharded_log_softmax, sharded_softmax
 from ...placements import local_shape
-from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, kernel_axis, per_axis, register
+from .base import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()

@@ -14,14 +14,13 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
-from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
+from ...dtypes import acc_dtype
+from ...ir import GLOBAL, PLACEMENTS, bytes_sent
 from ...kernels import registry
 from ...kernels.norm import sharded_layer_norm, sharded_rms_norm
-from ...dtypes import acc_dtype
 from ...placements import local_shape
-from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, kernel_axis, per_axis, register
+from .base import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()

@@ -11,13 +11,11 @@ from collections import defaultdict
 
 from torch.fx import GraphModule, Node
 
-from ..cost_model.comm import bytes_sent
 from ..dtypes import reduce_dtype
+from ..ir import GLOBAL, ORIGIN, PLACEMENTS, bytes_sent, needs_grad
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..placements import local_shape
-from .grad_kinds import needs_grad
-from .meta import GLOBAL, ORIGIN, PLACEMENTS
 
 
 def local_numel(node: Node, rank) -> tuple[list[int], int]:

@@ -21,11 +21,11 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..dtypes import reduce_dtype
+from ..ir import AXIS, GLOBAL, ORIGIN, PLACEMENTS
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
-from .comm_accounting import gather_bytes, local_numel, scatter_bytes
-from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
+from .traffic import gather_bytes, local_numel, scatter_bytes
 
 _LINEAR = torch.ops.aten.linear.default
 

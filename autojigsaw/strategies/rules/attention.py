@@ -21,13 +21,12 @@ import math
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
+from ...ir import GLOBAL, PLACEMENTS, bytes_sent, tensor_inputs
 from ...kernels import registry, seq_attention
 from ...kernels.ring import zigzag_sizes
 from ...placements import chunk_sizes, local_offset, local_shape
-from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, kernel_axis, per_axis, register
+from .base import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -202,7 +201,6 @@ def attention_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     K/V whole --, its output and log-sum-exp, which is what the ring saves too), but for causal
     gathered K/V: SDPA also saves the shifted mask it is given, as a [rows, keys] float tensor.
     """
-    from ..strategies import tensor_inputs
 
     vals = [src.meta["val"] for src, _ in tensor_inputs(node)]
     shapes = [local_shape(v.shape, p, ctx.mesh.sizes, ctx.coord0) for v, p in zip(vals, strategy.inputs)]

@@ -17,8 +17,15 @@ import torch.distributed.tensor._ops.utils as _dtensor_op_utils
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._api import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TupleStrategy,
+)
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _expand_single_dim_strategy_to_mesh,
+)
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 

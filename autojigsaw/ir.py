@@ -1,18 +1,122 @@
-"""Redistribution: the per-axis collective steps that move a tensor between two placements.
+"""What every stage shares: node.meta keys, Strategy, a node's tensor values, gradients, resharding steps.
 
-One function decides the steps, so the cost model prices exactly what the rewrite emits.
-Shards of one dim over several axes nest in axis order (DTensor's default), so an axis is
-gathered only after every later axis sharding the same dim, and sharded again after it.
+Strategies write a node's legal ways to run (Strategy) under STRATEGIES; the cost model
+prices them; the planner picks one; the rewrite applies it. Resharding between two
+placements is a list of per-axis collective steps (`redistribute_steps`), decided in one
+place so the cost model prices exactly what the rewrite emits; `bytes_sent` is the one
+definition of the bytes a collective sends, for the kernels' counts and the planner's
+predictions alike. Shards of one dim over several axes nest in axis order (DTensor's
+default), so an axis is gathered only after every later axis sharding the same dim.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
 
-from ..placements import Placements, chunk_sizes, local_shape
+from .dtypes import value_carries_grad
+from .placements import Placements, chunk_sizes, local_shape
+
+# ---------------------------------------------------------------- node.meta keys
+# On the captured graph, strategies.annotate writes STRATEGIES. On a rewritten graph, the
+# rewrite writes PLACEMENTS, GLOBAL and ORIGIN on every node and AXIS on every collective.
+
+STRATEGIES = "autojigsaw_strategies"  # captured node: list[Strategy], its legal ways to run
+PLACEMENTS = "autojigsaw_placements"  # rewritten node: tuple of its outputs' placements
+GLOBAL = "autojigsaw_global"  # rewritten node: the global fake value(s) it holds a shard of
+ORIGIN = "autojigsaw_origin"  # rewritten node: name of the captured node it serves
+AXIS = "autojigsaw_axis"  # rewritten collective: index of the mesh axis it works on
+
+
+# ---------------------------------------------------------------- strategies and values
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: placements of its tensor inputs and outputs, and the kernel."""
+
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements | None, ...]
+    kernel: str = "local"
+    fallback: bool = False
+    note: str = ""
+
+    @property
+    def output(self) -> Placements:
+        return self.outputs[0]
+
+
+def tensor_inputs(node: Node) -> list[tuple[Node, int]]:
+    """The tensor values a node reads, as (producer, output index), in flattened arg order."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return [(node.args[0], node.args[1])]
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [(a, 0) for a in leaves if isinstance(a, Node) and _is_tensor_value(a)]
+
+
+def _is_tensor_value(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) or (
+        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
+
+
+def output_values(node: Node) -> list[torch.Tensor | None]:
+    """The node's outputs (one entry per tuple element), non-tensors as None."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return [val if isinstance(val, torch.Tensor) else None]
+
+
+def needs_grad(gm: GraphModule, sources: set[str], value_key: str = GLOBAL) -> dict[Node, bool]:
+    """Nodes whose outputs receive a gradient: of a differentiable dtype and downstream of a source.
+
+    `value_key`: the meta entry holding each node's value (the captured graph's is "val").
+    """
+    out: dict[Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            out[node] = node.name in sources
+            continue
+        vals = node.meta.get(value_key)
+        vals = vals if isinstance(vals, (tuple, list)) else [vals]
+        out[node] = any(value_carries_grad(v) for v in vals) and any(out.get(i, False) for i in node.all_input_nodes)
+    return out
+
+
+def grads_by_name(gm: GraphModule, sources: set[str]) -> dict[str, bool]:
+    """needs_grad of a captured (not yet rewritten) graph, by node name."""
+    return {node.name: g for node, g in needs_grad(gm, sources, "val").items()}
+
+
+# ---------------------------------------------------------------- collectives and resharding steps
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+
+
+def bytes_sent(kind: str, input_bytes: int, n: int) -> int:
+    """Bytes one rank sends in `kind` over `n` ranks, given the bytes of its input buffer.
+
+    all_gather: input is the local chunk; reduce_scatter and all_to_all: the full local
+    buffer; all_reduce: the tensor reduced; send_recv: the message itself.
+    """
+    if n <= 1:
+        return 0
+    if kind == "all_gather":
+        return input_bytes * (n - 1)
+    if kind in ("reduce_scatter", "all_to_all"):
+        return input_bytes * (n - 1) // n
+    if kind == "all_reduce":
+        return 2 * input_bytes * (n - 1) // n
+    if kind == "send_recv":
+        return input_bytes
+    raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
 
 
 @dataclass(frozen=True)
