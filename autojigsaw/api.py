@@ -20,13 +20,13 @@ from .cost_model.estimate import CostContext
 from .cost_model.memory import Optimizer, optimizer_spec
 from .dtypes import value_carries_grad
 from .ir import grads_by_name
-from .mesh import MeshSpec
+from .mesh import MeshSpec, RankView
 from .placements import Placements, normalize
 from .plan import Plan, PlanStats
 from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
-from .rewrite.rewrite import RankView, rewrite
+from .rewrite.rewrite import rewrite
 from .rewrite.traffic import traffic_by_origin
 from .runtime.checks import check_group, check_plan, device_of
 from .runtime.materialize import materialize_model

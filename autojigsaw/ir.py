@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -97,10 +98,39 @@ def grads_by_name(gm: GraphModule, sources: set[str]) -> dict[str, bool]:
 
 # ---------------------------------------------------------------- collectives and resharding steps
 
+class _Named(str, Enum):
+    """An enum whose members are their own names as strings: they compare, hash and print as such."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class GradKind(_Named):
+    """How the gradient of a Replicate value arrives on one mesh axis (see kernels/collectives.py)."""
+
+    R = "R"  # the full gradient on every rank
+    P = "P"  # a contribution on each rank; their sum over the axis is the gradient
+
+
+class Collective(_Named):
+    """A collective over one mesh axis: the resharding steps' and the kernels' traffic."""
+
+    all_gather = "all_gather"  # Shard -> Replicate
+    reduce_scatter = "reduce_scatter"  # Partial -> Shard
+    all_reduce = "all_reduce"  # Partial -> Replicate
+    all_to_all = "all_to_all"  # Shard(i) -> Shard(j)
+    shard_slice = "shard_slice"  # Replicate -> Shard: a local slice, nothing sent
+    to_partial = "to_partial"  # Replicate -> Partial: a local mask, nothing sent
+    send_recv = "send_recv"  # a ring hop inside a kernel
+
+
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
 
-def bytes_sent(kind: str, input_bytes: int, n: int) -> int:
+def bytes_sent(kind: Collective | str, input_bytes: int, n: int) -> int:
     """Bytes one rank sends in `kind` over `n` ranks, given the bytes of its input buffer.
 
     all_gather: input is the local chunk; reduce_scatter and all_to_all: the full local
@@ -108,13 +138,13 @@ def bytes_sent(kind: str, input_bytes: int, n: int) -> int:
     """
     if n <= 1:
         return 0
-    if kind == "all_gather":
+    if kind == Collective.all_gather:
         return input_bytes * (n - 1)
-    if kind in ("reduce_scatter", "all_to_all"):
+    if kind in (Collective.reduce_scatter, Collective.all_to_all):
         return input_bytes * (n - 1) // n
-    if kind == "all_reduce":
+    if kind == Collective.all_reduce:
         return 2 * input_bytes * (n - 1) // n
-    if kind == "send_recv":
+    if kind == Collective.send_recv:
         return input_bytes
     raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
 
@@ -123,14 +153,14 @@ def bytes_sent(kind: str, input_bytes: int, n: int) -> int:
 class Step:
     """One collective on one mesh axis, from placements `before` to `after`."""
 
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | shard_slice | to_partial
+    kind: Collective
     axis: int
     before: Placements
     after: Placements
 
     @property
     def communicates(self) -> bool:
-        return self.kind not in ("shard_slice", "to_partial")
+        return self.kind not in (Collective.shard_slice, Collective.to_partial)
 
 
 def _set(pl: Placements, axis: int, p) -> Placements:
@@ -164,17 +194,17 @@ def redistribute_steps(src: Placements, dst: Placements) -> list[Step]:
     steps, cur = [], src
     for a in sorted(changed, reverse=True):
         if isinstance(cur[a], Shard):
-            steps.append(Step("all_gather", a, cur, nxt := _set(cur, a, Replicate())))
+            steps.append(Step(Collective.all_gather, a, cur, nxt := _set(cur, a, Replicate())))
             cur = nxt
         elif isinstance(cur[a], Partial):
-            steps.append(Step("all_reduce", a, cur, nxt := _set(cur, a, Replicate())))
+            steps.append(Step(Collective.all_reduce, a, cur, nxt := _set(cur, a, Replicate())))
             cur = nxt
     for a in sorted(changed):
         if isinstance(dst[a], Shard):
-            steps.append(Step("shard_slice", a, cur, nxt := _set(cur, a, dst[a])))
+            steps.append(Step(Collective.shard_slice, a, cur, nxt := _set(cur, a, dst[a])))
             cur = nxt
         elif isinstance(dst[a], Partial):
-            steps.append(Step("to_partial", a, cur, nxt := _set(cur, a, dst[a])))
+            steps.append(Step(Collective.to_partial, a, cur, nxt := _set(cur, a, dst[a])))
             cur = nxt
     assert cur == dst, (src, dst, cur)
     return steps
@@ -185,18 +215,18 @@ def _direct(src: Placements, dst: Placements, a: int) -> Step | None:
     s, d = src[a], dst[a]
     later = set().union(*(_dims(p) for p in src[a + 1:])) if a + 1 < len(src) else set()
     if isinstance(d, Replicate) and isinstance(s, Partial):
-        return Step("all_reduce", a, src, dst)
+        return Step(Collective.all_reduce, a, src, dst)
     if isinstance(d, Replicate) and isinstance(s, Shard) and s.dim not in later:
-        return Step("all_gather", a, src, dst)
+        return Step(Collective.all_gather, a, src, dst)
     if isinstance(d, Shard) and d.dim not in later:
         if isinstance(s, Replicate):
-            return Step("shard_slice", a, src, dst)
+            return Step(Collective.shard_slice, a, src, dst)
         if isinstance(s, Partial) and s.reduce_op in ("sum", "avg"):
-            return Step("reduce_scatter", a, src, dst)
+            return Step(Collective.reduce_scatter, a, src, dst)
         if isinstance(s, Shard) and s.dim not in later:
-            return Step("all_to_all", a, src, dst)
+            return Step(Collective.all_to_all, a, src, dst)
     if isinstance(d, Partial) and isinstance(s, Replicate) and d.reduce_op in ("sum", "avg"):
-        return Step("to_partial", a, src, dst)
+        return Step(Collective.to_partial, a, src, dst)
     return None
 
 
@@ -207,14 +237,14 @@ def adjoint(step: Step, partial_grad: bool) -> Step | None:
     (see kernels/collectives.py), so a gather turns into a reduce-scatter.
     """
     a, before, after = step.axis, step.before, step.after
-    if step.kind == "all_gather":
-        return Step("reduce_scatter", a, _set(after, a, Partial()), before) if partial_grad else None
-    if step.kind == "all_reduce":
-        return Step("all_reduce", a, _set(after, a, Partial()), after) if partial_grad else None
-    if step.kind == "reduce_scatter":
-        return Step("all_gather", a, after, _set(before, a, Replicate()))
-    if step.kind in ("all_to_all", "shard_slice"):
-        return Step("all_to_all" if step.kind == "all_to_all" else "all_gather", a, after, before)
+    if step.kind == Collective.all_gather:
+        return Step(Collective.reduce_scatter, a, _set(after, a, Partial()), before) if partial_grad else None
+    if step.kind == Collective.all_reduce:
+        return Step(Collective.all_reduce, a, _set(after, a, Partial()), after) if partial_grad else None
+    if step.kind == Collective.reduce_scatter:
+        return Step(Collective.all_gather, a, after, _set(before, a, Replicate()))
+    if step.kind in (Collective.all_to_all, Collective.shard_slice):
+        return Step(Collective.all_to_all if step.kind == Collective.all_to_all else Collective.all_gather, a, after, before)
     return None
 
 
@@ -224,21 +254,21 @@ def adjoint(step: Step, partial_grad: bool) -> Step | None:
 def step_sizes(step: Step, shape, mesh_sizes, coord) -> dict:
     """Static arguments of a step on the rank at `coord`: dims and per-rank chunk sizes."""
     n = mesh_sizes[step.axis]
-    if step.kind in ("all_gather", "shard_slice"):
-        p = step.before[step.axis] if step.kind == "all_gather" else step.after[step.axis]
-        whole = step.after if step.kind == "all_gather" else step.before
+    if step.kind in (Collective.all_gather, Collective.shard_slice):
+        p = step.before[step.axis] if step.kind == Collective.all_gather else step.after[step.axis]
+        whole = step.after if step.kind == Collective.all_gather else step.before
         full = local_shape(shape, whole, mesh_sizes, coord)[p.dim]
         return {"dim": p.dim, "sizes": chunk_sizes(full, n)}
-    if step.kind == "reduce_scatter":
+    if step.kind == Collective.reduce_scatter:
         p = step.after[step.axis]
         full = local_shape(shape, step.before, mesh_sizes, coord)[p.dim]
         return {"dim": p.dim, "sizes": chunk_sizes(full, n), "op": step.before[step.axis].reduce_op}
-    if step.kind == "all_to_all":
+    if step.kind == Collective.all_to_all:
         s, d = step.before[step.axis], step.after[step.axis]
         src_full = local_shape(shape, _set(step.before, step.axis, Replicate()), mesh_sizes, coord)
         return {"src_dim": s.dim, "dst_dim": d.dim, "src_sizes": chunk_sizes(src_full[s.dim], n),
                 "dst_sizes": chunk_sizes(src_full[d.dim], n)}
-    if step.kind == "all_reduce":
+    if step.kind == Collective.all_reduce:
         return {"op": step.before[step.axis].reduce_op}
     return {"op": step.after[step.axis].reduce_op}  # to_partial
 
@@ -250,11 +280,11 @@ def step_input_numel(step: Step, shape, mesh_sizes, coord) -> tuple[str, int] | 
     local = list(local_shape(shape, step.before, mesh_sizes, coord))
     args = step_sizes(step, shape, mesh_sizes, coord)
     n = mesh_sizes[step.axis]
-    if step.kind == "all_gather":
+    if step.kind == Collective.all_gather:
         local[args["dim"]] = max(args["sizes"])
-    elif step.kind == "reduce_scatter":
+    elif step.kind == Collective.reduce_scatter:
         local[args["dim"]] = n * max(args["sizes"])
-    elif step.kind == "all_to_all":
+    elif step.kind == Collective.all_to_all:
         local[args["src_dim"]] = max(args["src_sizes"])
         local[args["dst_dim"]] = n * max(args["dst_sizes"])
     return step.kind, math.prod(local)

@@ -13,12 +13,12 @@ from torch import nn
 import autojigsaw
 from autojigsaw.api import Options, plan_captured, with_traffic
 from autojigsaw.capture import capture
-from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.testing.local_ranks import get_mesh
-from autojigsaw.mesh import MeshSpec
-from autojigsaw.rewrite.traffic import traffic_by_origin
 from autojigsaw.ir import STRATEGIES
+from autojigsaw.kernels.collectives import count_comm
+from autojigsaw.mesh import MeshSpec
 from autojigsaw.placements import format_placements, replicated
+from autojigsaw.rewrite.traffic import traffic_by_origin
+from autojigsaw.testing.local_ranks import get_mesh
 
 SDPA = "aten.scaled_dot_product_attention"
 

@@ -20,15 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import Node
 
-from ..ir import (
-    Strategy,
-    adjoint,
-    bytes_sent,
-    output_values,
-    redistribute_steps,
-    step_input_numel,
-    tensor_inputs,
-)
+from ..ir import Strategy, adjoint, bytes_sent, output_values, redistribute_steps, step_input_numel, tensor_inputs
 from ..kernels import registry
 from ..mesh import MeshSpec
 from ..placements import Placements, local_shape
@@ -50,10 +42,6 @@ class CostContext:
     @property
     def coord0(self) -> tuple[int, ...]:
         return (0,) * self.mesh.ndim
-
-    @property
-    def optimizer_states(self) -> int:
-        return self.optimizer.states
 
     def link(self, axis: int):
         return self.device.axis_link(self.mesh.sizes, axis, self.mesh.axis_names[axis])

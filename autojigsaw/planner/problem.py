@@ -12,13 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch.fx import GraphModule, Node
 
-from ..cost_model.estimate import (
-    CostContext,
-    EdgeCosts,
-    consumer_partial_axes,
-    edge_costs,
-    node_costs,
-)
+from ..cost_model.estimate import CostContext, EdgeCosts, consumer_partial_axes, edge_costs, node_costs
 from ..cost_model.liveness import MemoryModel, build_memory
 from ..ir import STRATEGIES, Strategy, output_values, tensor_inputs
 from .layers import tie_groups
@@ -44,6 +38,7 @@ class Problem:
     edges: list[Edge]
     memory: MemoryModel
     group: np.ndarray  # node -> variable group; nodes of one group take the same strategy
+    grad: dict[str, bool]  # node name -> whether its output receives a gradient
 
     @property
     def n_nodes(self) -> int:
@@ -122,7 +117,7 @@ def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], gra
     if tie_layers is None:
         tie_layers = sum(len(s) for s in strategies) > TIE_ABOVE
     group = tie_groups(nodes, strategies, params) if tie_layers else np.arange(len(nodes))
-    return Problem([n.name for n in nodes], strategies, times, edges, memory, group)
+    return Problem([n.name for n in nodes], strategies, times, edges, memory, group, grad)
 
 
 def _outputs(strategies: list[Strategy], o: int) -> tuple:

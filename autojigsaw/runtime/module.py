@@ -24,11 +24,11 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from ..capture import Captured
+from ..ir import GradKind
 from ..kernels.collectives import shard_slice
-from ..mesh import MeshSpec
+from ..mesh import MeshSpec, RankView
 from ..placements import chunk_sizes, local_shape
 from ..plan import Plan
-from ..rewrite.rewrite import RankView
 from .materialize import local_view
 
 
@@ -127,10 +127,10 @@ def _slice(x: torch.Tensor, placements, rank: RankView) -> torch.Tensor:
     if not x.requires_grad:
         return local_view(x, placements, rank.mesh.sizes, rank.coord)
     for a, p in enumerate(placements):
-        if isinstance(p, Shard) and rank.mesh.sizes[a] > 1:
-            sizes = chunk_sizes(x.shape[p.dim], rank.mesh.sizes[a])
-            x = shard_slice(x, dim=p.dim, sizes=sizes, coord=rank.coord[a],
-                            axis=rank.mesh.axis_names[a], group=rank.groups[a], grad="R")
+        ax = rank.axis(a)
+        if isinstance(p, Shard) and ax.size > 1:
+            x = shard_slice(x, dim=p.dim, sizes=chunk_sizes(x.shape[p.dim], ax.size), coord=ax.coord,
+                            axis=ax.name, group=ax.group, grad=GradKind.R)
     return x
 
 

@@ -1,6 +1,6 @@
-"""Strategies: for every node, the legal ways to run it on local shards.
+"""Annotate: every node's legal ways to run on local shards, written to node.meta[STRATEGIES].
 
-A Strategy fixes the placement of each tensor input and output on every mesh axis, and
+A Strategy (ir.py) fixes the placement of each tensor input and output on every mesh axis, and
 the kernel that computes the output shards ("local" = the same ATen op on local shards;
 others are autojigsaw kernels that communicate inside). Rules come from autojigsaw's own
 rules (strategies/rules: matmuls, norms, softmax, attention, ...) first, then DTensor's, and a

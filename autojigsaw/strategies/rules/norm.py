@@ -66,9 +66,9 @@ def _call(kernel, eps_at: int):
         args = list(node.args) + [None] * 4
         params = [next(inputs) if isinstance(args[i], Node) else None for i in _PARAMS[node.target]]
         eps = () if args[eps_at] is None else (args[eps_at],)  # absent: the kernel's default
-        a = _stat_axis(node, spec)
+        ax = rank.axis(_stat_axis(node, spec))
         return (kernel, (local_inputs[0], list(node.args[1]), *params, *eps),
-                {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a], "group": rank.groups[a]})
+                {"n": ax.size, "axis": ax.name, "group": ax.group})
 
     return build
 
