@@ -1,11 +1,17 @@
-"""The recipe: capture, strategies, costs, solve -> Plan; then rewrite, shard and compile."""
+"""The recipe: capture -> strategies -> costs -> solve -> Plan; then rewrite -> materialize -> compile.
+
+`plan` runs the first half on any mesh without a process group; `parallelize` runs all of it on
+each rank (at the first call when no example inputs are given) and hands the result to a
+ParallelModule, which only holds and runs it.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,66 +19,152 @@ from .capture import Captured, capture
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
 from .cost_model.recompute import repeated_layers
-from .passes.grad_kinds import grads_by_name
 from .cost_model.memory import Optimizer, optimizer_spec
-from .mesh import MeshSpec
-from .passes.comm_accounting import traffic_by_origin
-from .passes.rewrite import RankView, rewrite
-from .passes.strategies import annotate
+from .dtypes import value_carries_grad
+from .ir import grads_by_name
+from .mesh import MeshSpec, RankView
 from .placements import Placements, local_shape, normalize
 from .plan import Plan, PlanStats
-from .training import Precision, Regime
 from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
 from .planner.recompute import solve_with_recompute, with_layers_recomputed
-from .runtime.data_parallel import data_pins
+from .rewrite.recompute import checkpoint_layers
+from .rewrite.rewrite import rewrite
+from .rewrite.traffic import traffic_by_origin
+from .runtime.checks import check_group, check_plan, device_of
+from .runtime.fsdp import shard_over_data_axis
+from .runtime.materialize import materialize_model
+from .runtime.module import ParallelModule, Program
+from .strategies.annotate import annotate
+from .strategies.data_pins import data_pins
+from .training import Precision, Regime, data_axis
+
+
+@dataclass(frozen=True)
+class Options:
+    """The planning options `plan` and `parallelize` take, in one place."""
+
+    device: str | DeviceSpec = "h100"  # a spec name ("h100", "cpu", ...) or a spec (autojigsaw.calibrate)
+    training: bool = True
+    memory_budget: int | None = None  # bytes per rank; None: 90 % of the device's memory
+    optimizer: str | Optimizer = "adam"
+    input_placements: Sequence[Placements | None] | None = None  # None: autojigsaw chooses
+    output_placements: Sequence[Placements] | None = None
+    tie_layers: bool | None = None  # one strategy per node of repeated layers; None: for big problems
+    regime: Regime = Regime()  # mixed precision, recomputation, data parallelism
+
+
+def regime_of(mesh: MeshSpec, device: str | DeviceSpec, mp_policy, activation_checkpointing: str,
+              data_parallel: str | None) -> Regime:
+    """The checked training regime: an unknown policy, FSDP without a data axis, or a compute
+    dtype the device has no peak for is a ValueError naming the choices."""
+    regime = Regime.of(mesh, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing,
+                       data_parallel=data_parallel)
+    spec = device_spec(device)
+    dtype = regime.precision.param_dtype
+    if regime.precision.mixed and str(dtype).removeprefix("torch.") not in dict(spec.flops):
+        raise ValueError(f"mp_policy.param_dtype={dtype} cannot be computed in on device {spec.name!r}, whose "
+                         f"peak table lists {[name for name, _ in spec.flops]}: choose one of those dtypes")
+    return regime
+
+
+def capture_for(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime) -> Captured:
+    """The model's graph as the regime runs it (floating parameters and inputs in param_dtype)."""
+    precision = regime.precision
+    return capture(model, args, kwargs, param_dtype=precision.param_dtype if precision.mixed else None)
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str | DeviceSpec = "h100",
          training: bool = True, memory_budget: int | None = None, optimizer: str | Optimizer = "adam",
          input_placements: Sequence[Placements | None] | None = None,
          output_placements: Sequence[Placements] | None = None,
-         example_kwargs: Mapping | None = None, tie_layers: bool | None = None,
-         mp_policy=None, activation_checkpointing: str = "none", data_parallel: str | None = None) -> Plan:
+         example_kwargs: Mapping | None = None, tie_layers: bool | None = None, mp_policy=None,
+         activation_checkpointing: str = "none", data_parallel: str | None = None) -> Plan:
     """Plan `model` on `mesh` (a DeviceMesh or e.g. {"domain": 8, "tensor": 8}); runs nothing.
 
     No process group is needed and the model may live on the meta device. `device` names a
-    spec ("h100", "cpu", ...) or is one (autojigsaw.calibrate); the budget defaults to 90 % of
-    its memory. `tie_layers` gives repeated layers one shared strategy per node (None: for
-    big problems only; smaller ones get the exact optimum over every node's choice).
+    spec ("h100", "h100-96gb", "h200", "a100", "cpu"; "h100+compile" for a compiled step) or is
+    one (autojigsaw.calibrate); `memory_budget` is bytes per rank, by default 90 % of the
+    device's memory. `tie_layers` gives repeated layers one shared strategy per node (None:
+    for big problems only; smaller ones get the exact optimum over every node's choice).
     `mp_policy`: torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32
-    masters, gradient sums in reduce_dtype); `activation_checkpointing`: "none", "selective",
-    "full" or "auto" (the planner chooses per layer); `data_parallel`: "fsdp" or "ddp" on a
-    mesh axis named "data"/"dp" (default "fsdp" when there is one).
+    masters, gradient sums in reduce_dtype). `activation_checkpointing`: "none", "selective",
+    "full", or "auto" (the planner chooses per layer, with the sharding, under the budget).
+    `data_parallel`: "fsdp" or "ddp" on a mesh axis named "data"/"dp" (default "fsdp" there).
+
+        plan = autojigsaw.plan(model, (x,), {"domain": 8, "tensor": 8}, device="h100")
+        print(plan)
     """
     mesh = MeshSpec.of(mesh)
-    regime = Regime.of(mesh, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing,
-                       data_parallel=data_parallel)
-    spec = device_spec(device)
-    _check_precision(regime, spec)
-    captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}),
-                       param_dtype=regime.precision.param_dtype if regime.precision.mixed else None)
-    return plan_captured(captured, mesh, device=spec, training=training,
-                         memory_budget=memory_budget, optimizer=optimizer, input_placements=input_placements,
-                         output_placements=output_placements, tie_layers=tie_layers, regime=regime)
+    regime = regime_of(mesh, device, mp_policy, activation_checkpointing, data_parallel)
+    options = Options(device, training, memory_budget, optimizer, input_placements, output_placements, tie_layers,
+                      regime)
+    captured = capture_for(model, tuple(example_inputs), dict(example_kwargs or {}), regime)
+    return plan_captured(captured, mesh, options)
 
 
-def plan_captured(captured: Captured, mesh: MeshSpec, *, device, training: bool, memory_budget: int | None,
-                  optimizer: str | Optimizer = "adam", input_placements=None, output_placements=None,
-                  tie_layers: bool | None = None, regime: Regime = Regime()) -> Plan:
+def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = None, *, compile: bool = True,
+                training: bool = True, memory_budget: int | None = None, device: str | DeviceSpec | None = None,
+                input_placements: Sequence[Placements | None] | None = None,
+                output_placements: Sequence[Placements] | None = None, example_kwargs: Mapping | None = None,
+                plan: Plan | None = None, mp_policy=None, activation_checkpointing: str = "none",
+                data_parallel: str | None = None) -> ParallelModule:
+    """Shard `model` over `mesh` (a named DeviceMesh) by a plan; returns the module to train.
+
+    With example_inputs=None the model is planned at its first call, like torch.compile.
+    Options as for `autojigsaw.plan`; `plan=` applies a given Plan (its recomputation and
+    data-parallel mode included); `input_placements` means the caller passes this rank's shards.
+    """
+    device = device or device_of(mesh)
+    spec = MeshSpec.of(mesh)
+    if plan is not None and data_parallel is None:
+        data_parallel = plan.data_parallel
+    regime = regime_of(spec, device, mp_policy, activation_checkpointing, data_parallel)
+    options = Options(device, training, memory_budget, input_placements=input_placements,
+                      output_placements=output_placements, regime=regime)
+    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile)
+    module = ParallelModule(model, mesh, build, plan=plan, local_inputs=input_placements is not None)
+    if example_inputs is not None:
+        module.build(tuple(example_inputs), dict(example_kwargs or {}))
+        shard_over_data_axis(module, mesh, regime, mp_policy)
+    elif regime.fsdp and spec.sizes[data_axis(spec)] > 1:
+        raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass example_inputs "
+                         "to parallelize, or data_parallel='ddp' to plan at the first call")
+    return module
+
+
+def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
+             options: Options, compile: bool) -> Program:
+    """One rank's program: capture, plan (unless given), materialize its shards, rewrite, compile."""
+    mesh = MeshSpec.of(device_mesh)
+    check_group(device_mesh, mesh)
+    captured = capture_for(model, args, kwargs, options.regime)
+    plan = plan if plan is not None else plan_captured(captured, mesh, options)
+    check_plan(plan, mesh)
+    rank = RankView.of(device_mesh, mesh)
+    materialize_model(model, plan.param_placements, device_mesh, rank.coord)
+    # Inputs that do not require grad skip these gradient collectives at run time.
+    differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
+    gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
+    gm = checkpoint_layers(gm, captured, plan)
+    return Program(captured, plan, rank, gm, torch.compile(gm, fullgraph=True) if compile else gm,
+                   options.regime.precision)
+
+
+def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options()) -> Plan:
     """The planning stages on an already captured graph: strategies, costs, solve, Plan."""
-    spec = device_spec(device)
-    budget = int(memory_budget if memory_budget is not None else 0.9 * spec.memory_bytes)
+    spec = device_spec(options.device)
+    budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * spec.memory_bytes)
     t0 = time.perf_counter()
-    annotate(captured.gm, mesh, data_pins(captured, mesh, _fixed_inputs(captured, mesh, input_placements)),
-             _output_placements(captured, mesh, output_placements))
+    annotate(captured.gm, mesh, data_pins(captured, mesh, _fixed_inputs(captured, mesh, options.input_placements)),
+             _output_placements(captured, mesh, options.output_placements))
     t1 = time.perf_counter()
-    ctx = CostContext(mesh, spec, training, optimizer_spec(optimizer), regime)
-    problem = _problem(captured, ctx, tie_layers)
+    ctx = CostContext(mesh, spec, options.training, optimizer_spec(options.optimizer), options.regime)
+    problem = _problem(captured, ctx, options.tie_layers)
     t2 = time.perf_counter()
     nodes = {n.name: n for n in captured.gm.graph.nodes}
-    policy = regime.recompute if training else "none"
+    policy = options.regime.recompute if options.training else "none"
     chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
                                   budget, solve)
     problem, solution = chosen.problem, chosen.solution
@@ -84,6 +176,35 @@ def plan_captured(captured: Captured, mesh: MeshSpec, *, device, training: bool,
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
                                             len(solution.cuts), solution.gap))
+
+
+def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,
+             optimizer: str | Optimizer = "adam", example_kwargs: Mapping | None = None, mp_policy=None) -> Plan:
+    """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans.
+
+    The plan's recomputed layers (`plan.recompute`, editable) and data-parallel mode are priced
+    as given; `mp_policy` as in `plan`.
+    """
+    regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel)
+    captured = capture_for(model, tuple(example_inputs), dict(example_kwargs or {}), regime)
+    fixed = {name: pl for name, pl in zip(captured.inputs, plan.input_placements) if pl is not None}
+    annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
+    ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer), regime)
+    problem = _problem(captured, ctx, tie_layers=False)
+    nodes = [next(n for n in captured.gm.graph.nodes if n.name == name) for name in problem.names]
+    problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
+    evaluated = with_traffic(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
+                             captured)
+    return with_regime(evaluated, captured, ctx, plan.recompute)
+
+
+def with_traffic(plan: Plan, captured: Captured) -> Plan:
+    """The plan with exact bytes per node, read off the graph the plan rewrites into."""
+    rank = RankView.planning(plan.mesh)
+    gm = rewrite(captured, plan, rank, training=plan.training)
+    traffic = traffic_by_origin(gm, rank, set(captured.params), plan.training)
+    nodes = tuple(replace(n, comm_bytes=traffic.get(n.name, 0)) for n in plan.nodes)
+    return replace(plan, nodes=nodes, comm_bytes=sum(traffic.values()))
 
 
 def with_regime(plan: Plan, captured: Captured, ctx: CostContext, recomputed) -> Plan:
@@ -103,43 +224,6 @@ def with_regime(plan: Plan, captured: Captured, ctx: CostContext, recomputed) ->
     return replace(plan, step_time=step, comm_bytes=plan.comm_bytes + fsdp_bytes,
                    precision=ctx.regime.precision.describe(), recompute=tuple(recomputed),
                    data_parallel=ctx.regime.data_parallel)
-
-
-def _check_precision(regime: Regime, spec: DeviceSpec) -> None:
-    dtype = regime.precision.param_dtype
-    if regime.precision.mixed and str(dtype).removeprefix("torch.") not in dict(spec.flops):
-        raise ValueError(f"mp_policy.param_dtype={dtype} cannot be computed in on device {spec.name!r}, whose "
-                         f"peak table lists {[name for name, _ in spec.flops]}: choose one of those dtypes")
-
-
-def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,
-             optimizer: str | Optimizer = "adam", example_kwargs: Mapping | None = None, mp_policy=None) -> Plan:
-    """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans.
-
-    The plan's recomputed layers (`plan.recompute`, editable) and data-parallel mode are priced
-    as given; `mp_policy` as in `plan`.
-    """
-    regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel)
-    captured = capture(model, tuple(example_inputs), dict(example_kwargs or {}),
-                       param_dtype=regime.precision.param_dtype if regime.precision.mixed else None)
-    fixed = {name: pl for name, pl in zip(captured.inputs, plan.input_placements) if pl is not None}
-    annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
-    ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer), regime)
-    problem = _problem(captured, ctx, tie_layers=False)
-    nodes = [next(n for n in captured.gm.graph.nodes if n.name == name) for name in problem.names]
-    problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
-    evaluated = with_traffic(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
-                             captured)
-    return with_regime(evaluated, captured, ctx, plan.recompute)
-
-
-def with_traffic(plan: Plan, captured: Captured) -> Plan:
-    """The plan with exact bytes per node, read off the graph the plan rewrites into."""
-    rank = RankView.planning(plan.mesh)
-    gm = rewrite(captured, plan, rank, training=plan.training)
-    traffic = traffic_by_origin(gm, rank, set(captured.params), plan.training)
-    nodes = tuple(replace(n, comm_bytes=traffic.get(n.name, 0)) for n in plan.nodes)
-    return replace(plan, nodes=nodes, comm_bytes=sum(traffic.values()))
 
 
 def _problem(captured: Captured, ctx: CostContext, tie_layers: bool | None):

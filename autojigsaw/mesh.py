@@ -1,4 +1,4 @@
-"""MeshSpec: the named axes and sizes of a device mesh, all that planning needs to know of it."""
+"""The mesh: its named axes and sizes (MeshSpec, all that planning needs) and one rank's place in it (RankView)."""
 
 from __future__ import annotations
 
@@ -73,13 +73,51 @@ class MeshSpec:
     @property
     def fake_device_mesh(self):
         """A DeviceMesh of this shape with no process group behind it (for DTensor's rules)."""
-        return _fake_device_mesh(self)
+        return _fake_device_mesh(self, (0,) * self.ndim)
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One mesh axis as a collective sees it: its name, size, process group and this rank's position."""
+
+    name: str
+    size: int
+    group: str | None
+    coord: int
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank's place in the mesh: its coordinate and the process group of each axis."""
+
+    mesh: MeshSpec
+    coord: tuple[int, ...]
+    groups: tuple[str | None, ...]  # None: planning only, the graph is never run
+
+    @classmethod
+    def planning(cls, mesh: MeshSpec) -> RankView:
+        """Rank 0 of an abstract mesh: what planning counts traffic on."""
+        return cls(mesh, (0,) * mesh.ndim, (None,) * mesh.ndim)
+
+    @classmethod
+    def of(cls, device_mesh, mesh: MeshSpec) -> RankView:
+        """This process's place in a live DeviceMesh."""
+        groups = tuple(device_mesh.get_group(a).group_name for a in mesh.axis_names)
+        return cls(mesh, tuple(device_mesh.get_coordinate()), groups)
+
+    def axis(self, a: int) -> MeshAxis:
+        return MeshAxis(self.mesh.axis_names[a], self.mesh.sizes[a], self.groups[a], self.coord[a])
+
+    @property
+    def fake_device_mesh(self):
+        """A DeviceMesh of the mesh's shape seen from this rank, with no process group behind it."""
+        return _fake_device_mesh(self.mesh, self.coord)
 
 
 @functools.cache
-def _fake_device_mesh(mesh: MeshSpec):
-    # Cached outside the instance, so a MeshSpec (and a Plan holding one) stays picklable.
+def _fake_device_mesh(mesh: MeshSpec, coord: tuple[int, ...]):
+    # Cached outside the instances, so a MeshSpec (and a Plan holding one) stays picklable.
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = torch.arange(mesh.world_size).reshape(mesh.sizes)
-    return DeviceMesh("cpu", ranks, mesh_dim_names=mesh.axis_names, _init_backend=False, _rank=0)
+    return DeviceMesh("cpu", ranks, mesh_dim_names=mesh.axis_names, _init_backend=False, _rank=int(ranks[coord]))

@@ -17,16 +17,12 @@ Placements = tuple[Placement, ...]
 
 __all__ = [
     "Partial", "Placement", "Placements", "Replicate", "Shard", "chunk_sizes", "format_placements",
-    "is_replicated", "local_offset", "local_shape", "normalize", "parse_placements", "replicated",
+    "local_offset", "local_shape", "normalize", "parse_placements", "replicated",
 ]
 
 
 def replicated(ndim: int) -> Placements:
     return (Replicate(),) * ndim
-
-
-def is_replicated(placements: Placements) -> bool:
-    return all(isinstance(p, Replicate) for p in placements)
 
 
 def normalize(placements: Sequence[Placement], tensor_ndim: int) -> Placements:

@@ -16,7 +16,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from autojigsaw.cost_model.comm import bytes_sent
+from autojigsaw.ir import bytes_sent
 
 _c10d = torch.ops._c10d_functional
 # functional collective -> (kind for bytes_sent, index of the group-name argument)

@@ -1,6 +1,6 @@
 """How fast autojigsaw plans: a Llama-3-8B shape on an 8 x 8 mesh, then plan time against layers and mesh size.
 
-Run: python benchmarks/plan_speed.py [--hf] [--quick]
+Run: python benchmarks/plan_speed.py [--hf] [--quick] [--breakdown-only]
 
 The model lives on the meta device. By default it is a hand-written Llama (RMSNorm, rotary
 embeddings, grouped-query attention through scaled_dot_product_attention, SwiGLU) that
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
-from autojigsaw.api import plan_captured
+from autojigsaw.api import Options, plan_captured
 from autojigsaw.capture import capture
 from autojigsaw.mesh import MeshSpec
 
@@ -134,7 +134,7 @@ def timed_plan(layers: int, mesh: dict[str, int], *, hf: bool = False, captured=
         # transformers' model returns its logits (and a loss with labels=); ours returns the loss
         captured = capture(llama(layers, hf), (ids,) if hf else (ids, ids), {"use_cache": False} if hf else {})
     captured_at = clock.read()
-    plan = plan_captured(captured, MeshSpec.of(mesh), device="h100", training=True, memory_budget=None)
+    plan = plan_captured(captured, MeshSpec.of(mesh), Options(device="h100", training=True, memory_budget=None))
     return plan, captured_at, clock.read(), captured
 
 
@@ -180,10 +180,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", action="store_true", help="also time transformers' LlamaForCausalLM")
     parser.add_argument("--quick", action="store_true", help="fewer layer counts and meshes")
+    parser.add_argument("--breakdown-only", action="store_true",
+                        help="only the Llama-3-8B shape on 8 x 8, stage by stage")
     args = parser.parse_args()
     breakdown(hf=False)
     if args.hf:
         breakdown(hf=True)
+    if args.breakdown_only:
+        return
     by_layers([1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128])
     by_mesh([(1, 2), (8, 8), (64, 64)] if args.quick else
             [(1, 2), (2, 2), (4, 4), (8, 8), (16, 16), (32, 32), (64, 64)], layers=8)

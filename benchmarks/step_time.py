@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import autojigsaw
-from autojigsaw.local_ranks import LocalRanks, get_mesh
+from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from . import models, variants
 from .common import Report, kib, mib, ratio

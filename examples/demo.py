@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autojigsaw
-from autojigsaw.local_ranks import LocalRanks, get_mesh
+from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 
 class Block(nn.Module):

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import autojigsaw
-from autojigsaw.local_ranks import LocalRanks, get_mesh
+from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 from mixer_model import FieldLoss
 
 SIZES = dict(channels=3, lat=64, lon=64, patch=4, dim=32, token_hidden=32, channel_hidden=64, depth=2)

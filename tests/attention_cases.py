@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import autojigsaw
-from autojigsaw.api import plan_captured, with_traffic
+from autojigsaw.api import Options, plan_captured, with_traffic
 from autojigsaw.capture import capture
+from autojigsaw.ir import STRATEGIES
 from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.local_ranks import get_mesh
 from autojigsaw.mesh import MeshSpec
-from autojigsaw.passes.comm_accounting import traffic_by_origin
-from autojigsaw.passes.meta import STRATEGIES
 from autojigsaw.placements import format_placements, replicated
+from autojigsaw.rewrite.traffic import traffic_by_origin
+from autojigsaw.testing.local_ranks import get_mesh
 
 SDPA = "aten.scaled_dot_product_attention"
 
@@ -44,8 +44,8 @@ def forced_plan(model, inputs, mesh: MeshSpec, pick: dict, *, input_placements=N
     """
     captured = capture(model, tuple(inputs))
     placements = input_placements or [replicated(mesh.ndim)] * len(captured.inputs)
-    plan = plan_captured(captured, mesh, device="cpu", training=True, memory_budget=None,
-                         input_placements=placements)
+    plan = plan_captured(captured, mesh, Options(device="cpu", training=True, memory_budget=None,
+                                                 input_placements=placements))
     nodes = {n.name: n for n in captured.gm.graph.nodes}
     forced = []
     for ns in plan.nodes:

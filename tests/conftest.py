@@ -2,7 +2,7 @@
 
 import pytest
 
-from autojigsaw.local_ranks import LocalRanks
+from autojigsaw.testing.local_ranks import LocalRanks
 
 
 @pytest.fixture(scope="session")

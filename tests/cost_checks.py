@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 import autojigsaw
 from autojigsaw import Plan
 from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .models import build
 

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 import autojigsaw
 from autojigsaw import Plan
 from autojigsaw.dtypes import carries_grad
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .attention_cases import build_model as attention_model
 from .hf_models import hf_model

@@ -19,12 +19,12 @@ import torch.distributed as dist
 import autojigsaw
 from autojigsaw import api
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
+from autojigsaw.ir import STRATEGIES
 from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.local_ranks import get_mesh
-from autojigsaw.passes.comm_accounting import traffic_by_origin
-from autojigsaw.passes.meta import STRATEGIES
 from autojigsaw.placements import format_placements
+from autojigsaw.rewrite.traffic import traffic_by_origin
 from autojigsaw.runtime.materialize import local_view
+from autojigsaw.testing.local_ranks import get_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from mixer_model import FieldLoss, MixerBlock, WeatherMixer  # noqa: E402

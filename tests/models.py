@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autojigsaw
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 
 class MLP(nn.Module):

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 import autojigsaw
 from autojigsaw import Plan
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .hf_models import hf_model
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 import autojigsaw
-from autojigsaw.local_ranks import get_mesh
 from autojigsaw.mesh import MeshSpec
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .attention_cases import SDPA, Attention, forced_plan
 

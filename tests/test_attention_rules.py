@@ -11,12 +11,12 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
 from autojigsaw.capture import capture
+from autojigsaw.ir import STRATEGIES
 from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.local_ranks import get_mesh
 from autojigsaw.mesh import MeshSpec
-from autojigsaw.passes.comm_accounting import traffic_by_origin
-from autojigsaw.passes.meta import STRATEGIES
-from autojigsaw.passes.strategies import annotate
+from autojigsaw.rewrite.traffic import traffic_by_origin
+from autojigsaw.strategies.annotate import annotate
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .attention_cases import Attention, attention_case, compiled_case, forced_plan
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard
 import autojigsaw
 from autojigsaw import Plan
 from autojigsaw.cost_model.devices import DeviceSpec, LinkSpec
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .models import build
 

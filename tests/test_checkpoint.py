@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 import autojigsaw
 from autojigsaw import Plan
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .side_by_side import build, loss_of, max_diff, plan_json
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autojigsaw
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .models import build
 

@@ -16,8 +16,8 @@ from torch.distributed.tensor import Replicate, Shard
 import autojigsaw
 from autojigsaw import Plan
 from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.local_ranks import get_mesh
-from autojigsaw.passes.comm_accounting import traffic_by_origin
+from autojigsaw.testing.local_ranks import get_mesh
+from autojigsaw.rewrite.traffic import traffic_by_origin
 
 from .rope_llama import RopeBlock, in_dtype, rope_frequencies
 

@@ -8,7 +8,8 @@ import sympy
 import torch
 
 import autojigsaw
-from autojigsaw.cost_model.comm import RING, TREE_ALL_REDUCE, bytes_sent, collective_time
+from autojigsaw.cost_model.comm import RING, TREE_ALL_REDUCE, collective_time
+from autojigsaw.ir import bytes_sent
 from autojigsaw.cost_model.compute import flops, op_kind
 from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.formulas import scaling

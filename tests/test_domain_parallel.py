@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
-from autojigsaw.passes.meta import STRATEGIES
-from autojigsaw.passes.strategies import annotate
+from autojigsaw.ir import STRATEGIES
+from autojigsaw.strategies.annotate import annotate
 from autojigsaw.capture import capture
 from autojigsaw.mesh import MeshSpec
 from autojigsaw.placements import format_placements

@@ -77,7 +77,7 @@ def test_mesh_smaller_than_world(ranks4):
 
 
 def _plan_for_other_mesh_and_wrong_inputs():
-    from autojigsaw.local_ranks import get_mesh
+    from autojigsaw.testing.local_ranks import get_mesh
 
     mesh = get_mesh((2,), ("tensor",))
     other = autojigsaw.plan(MLP(), (X,), {"tensor": 4}, device="cpu")

@@ -21,9 +21,9 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 import autojigsaw
-from autojigsaw.cost_model.comm import bytes_sent
+from autojigsaw.ir import bytes_sent
 from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 from autojigsaw.placements import format_placements
 
 from .jigsaw_common import BANDWIDTH_BOUND, MixerBlock, inputs_are, outputs_are, pinned_plan, seeded

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from autojigsaw.kernels import collectives as C
 from autojigsaw.kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 from autojigsaw.placements import chunk_sizes
 
 DTYPES = (torch.float32, torch.float64)

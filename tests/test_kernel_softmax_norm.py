@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autojigsaw.cost_model.comm import bytes_sent
+from autojigsaw.ir import bytes_sent
 from autojigsaw.kernels import collectives as C
 from autojigsaw.kernels.norm import sharded_layer_norm, sharded_rms_norm
 from autojigsaw.kernels.softmax import sharded_log_softmax, sharded_softmax

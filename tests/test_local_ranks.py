@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autojigsaw.local_ranks import LocalRanks, RankFailure
+from autojigsaw.testing.local_ranks import LocalRanks, RankFailure
 
 
 def _rank_and_sum():

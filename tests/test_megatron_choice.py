@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autojigsaw
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .models import MLP, build
 

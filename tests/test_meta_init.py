@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autojigsaw
 from autojigsaw import Plan
-from autojigsaw.local_ranks import get_mesh
 from autojigsaw.runtime.init import materialize
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .side_by_side import MODELS, build, loss_of, max_diff, plan_json
 

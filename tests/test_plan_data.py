@@ -40,7 +40,7 @@ def test_json_round_trip_is_lossless():
 
 
 def _apply_saved(text):
-    from autojigsaw.local_ranks import get_mesh
+    from autojigsaw.testing.local_ranks import get_mesh
 
     plan = Plan.from_json(text)
     model = autojigsaw.parallelize(build("mlp", torch.float32), get_mesh((2,), ("tensor",)),
@@ -56,7 +56,7 @@ def test_saved_plan_applies_unchanged(ranks2):
 
 
 def _train_with_plan(text):
-    from autojigsaw.local_ranks import get_mesh
+    from autojigsaw.testing.local_ranks import get_mesh
 
     ref = build("mlp", torch.float64)
     model = autojigsaw.parallelize(build("mlp", torch.float64), get_mesh((2,), ("tensor",)),

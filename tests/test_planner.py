@@ -12,10 +12,10 @@ import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.estimate import CostContext
+from autojigsaw.ir import grads_by_name
 from autojigsaw.mesh import MeshSpec
-from autojigsaw.passes.grad_kinds import grads_by_name
-from autojigsaw.passes.strategies import annotate
 from autojigsaw.planner import build_problem, solve
+from autojigsaw.strategies.annotate import annotate
 
 from .models import MLP, LinearStack
 

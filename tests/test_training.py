@@ -15,8 +15,8 @@ import torch
 import autojigsaw
 from autojigsaw import Plan
 from autojigsaw.kernels.collectives import count_comm
-from autojigsaw.local_ranks import get_mesh
-from autojigsaw.passes.comm_accounting import traffic_by_origin
+from autojigsaw.rewrite.traffic import traffic_by_origin
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .side_by_side import build, loss_of, plan_json, train
 

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import autojigsaw
 from autojigsaw import Plan
 from autojigsaw.cost_model.liveness import ParamMemory
-from autojigsaw.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .side_by_side import build, loss_of
 

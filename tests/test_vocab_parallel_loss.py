@@ -21,8 +21,8 @@ import autojigsaw
 from autojigsaw import Plan
 from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.kernels.cross_entropy import vocab_parallel_cross_entropy
-from autojigsaw.local_ranks import get_mesh
-from autojigsaw.passes.comm_accounting import traffic_by_origin
+from autojigsaw.testing.local_ranks import get_mesh
+from autojigsaw.rewrite.traffic import traffic_by_origin
 from autojigsaw.placements import Partial, Shard, chunk_sizes
 
 from .hf_models import hf_model

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
+from ..ir import bytes_sent
 from ..mesh import MeshSpec
-from .comm import bytes_sent, latency_steps
+from .comm import latency_steps
 from .devices import DeviceSpec, LinkSpec, device_spec
 
 

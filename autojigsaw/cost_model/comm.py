@@ -1,8 +1,7 @@
-"""Communication cost: bytes each rank sends per collective, and alpha-beta time over a link.
+"""Communication cost: alpha-beta time of a collective over a link, numerically and as formulas.
 
-`bytes_sent` is the one definition of "bytes sent" in the project: the kernels count real
-traffic with it and the planner predicts with it, so the two can be compared exactly.
-Bytes follow the bandwidth-optimal ring algorithms (as NCCL's bus bandwidth does).
+Bytes sent are `ir.bytes_sent` (the bandwidth-optimal ring algorithms, as NCCL's bus
+bandwidth counts them), which the kernels use to count real traffic too.
 
 Time is alpha-beta per algorithm, as NCCL chooses them: a ring costs one latency per step
 (n-1 steps, 2(n-1) for an all-reduce) plus its bytes over the link bandwidth; an all-reduce
@@ -15,28 +14,8 @@ from __future__ import annotations
 import numpy as np
 import sympy
 
+from ..ir import COLLECTIVES
 from .formulas import Formula, symbols
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
-
-
-def bytes_sent(kind: str, input_bytes: int, n: int) -> int:
-    """Bytes one rank sends in `kind` over `n` ranks, given the bytes of its input buffer.
-
-    all_gather: input is the local chunk; reduce_scatter and all_to_all: the full local
-    buffer; all_reduce: the tensor reduced; send_recv: the message itself.
-    """
-    if n <= 1:
-        return 0
-    if kind == "all_gather":
-        return input_bytes * (n - 1)
-    if kind in ("reduce_scatter", "all_to_all"):
-        return input_bytes * (n - 1) // n
-    if kind == "all_reduce":
-        return 2 * input_bytes * (n - 1) // n
-    if kind == "send_recv":
-        return input_bytes
-    raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
 
 
 def latency_steps(kind: str, n: int) -> int:

@@ -20,13 +20,12 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import Node
 
+from ..ir import Strategy, adjoint, bytes_sent, output_values, redistribute_steps, step_input_numel, tensor_inputs
 from ..kernels import registry
 from ..mesh import MeshSpec
-from ..passes.redistribute import adjoint, redistribute_steps, step_input_numel
-from ..passes.strategies import Strategy, output_values, tensor_inputs
 from ..placements import Placements, local_shape
 from ..training import Regime, data_axis
-from .comm import bytes_sent, collective_time
+from .comm import collective_time
 from .compute import memory_time, op_kind, roofline_time
 from .devices import DeviceSpec
 from .liveness import ParamMemory

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.fx import Node
 
-from ..passes.strategies import Strategy, output_values, tensor_inputs
+from ..ir import Strategy, output_values, tensor_inputs
 from ..placements import local_shape
 from .memory import Optimizer, Saved, is_view, saved_for_backward
 

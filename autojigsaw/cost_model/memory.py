@@ -22,7 +22,6 @@ from ..dtypes import carries_grad
 from .compute import ATTENTION
 
 
-
 @dataclass(frozen=True)
 class Optimizer:
     """What an optimizer adds to memory, in parameter-sized tensors per parameter."""

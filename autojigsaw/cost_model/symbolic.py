@@ -19,8 +19,8 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.fx import Node
 
+from ..ir import Strategy, output_values, tensor_inputs
 from ..mesh import MeshSpec
-from ..passes.strategies import Strategy, output_values, tensor_inputs
 from ..placements import Placements
 from .comm import RING, TREE_ALL_REDUCE
 from .compute import op_kind, roofline_time

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from .collectives import _c10d, _pad_dim
-from .ring import Layout, from_zigzag, make_layout, ring_shift, to_zigzag, zigzag_sizes
 from ..dtypes import acc_dtype
+from .collectives import c10d, pad_dim
+from .ring import Layout, from_zigzag, make_layout, ring_shift, to_zigzag, zigzag_sizes
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag", "zigzag_sizes"]
 
@@ -110,7 +110,7 @@ def _block_grads(q, k, v, do, lse, delta, bias, scale):
 
 def _pack(a, b, width):
     """One flat buffer holding two [B, H, S, *] blocks padded to `width` tokens."""
-    return torch.cat([_pad_dim(a, 2, width).reshape(-1), _pad_dim(b, 2, width).reshape(-1)])
+    return torch.cat([pad_dim(a, 2, width).reshape(-1), pad_dim(b, 2, width).reshape(-1)])
 
 
 def _unpack(buf, shape_a, shape_b):
@@ -143,7 +143,7 @@ def _ring_forward(q, k, v, mask, spec):
                 vb.narrow(3, p.k_off, p.k_len), _bias(mask, p, hkv, acc, q.device), scale,
             )
         if pending is not None:
-            kv = _c10d.wait_tensor(pending)
+            kv = c10d.wait_tensor(pending)
     outs, lses = zip(*(_finish(s) for s in states))
     return torch.cat(outs, 3).reshape(b, h, sq, dv).to(q.dtype), torch.cat(lses, 3)
 
@@ -191,13 +191,13 @@ def _ring_backward(dout, q, k, v, out, lse, mask, spec, mask_grad: bool):
                 _add_mask_grad(dmask, ds, p)
         dkv = torch.cat([dk.reshape(-1), dvb.reshape(-1)])
         if pending_dkv is not None:  # the same block's dK/dV from the ranks it visited before
-            dkv = dkv + _c10d.wait_tensor(pending_dkv)
+            dkv = dkv + c10d.wait_tensor(pending_dkv)
         if n > 1:  # after the last step this hop takes dK/dV home
             pending_dkv = ring_shift(dkv, n=n, coord=coord, axis=axis, group=group)
         if pending_kv is not None:
-            kv = _c10d.wait_tensor(pending_kv)
+            kv = c10d.wait_tensor(pending_kv)
     if pending_dkv is not None:
-        dkv = _c10d.wait_tensor(pending_dkv)
+        dkv = c10d.wait_tensor(pending_dkv)
     dk, dvb = (x.narrow(2, 0, k.shape[2]) for x in _unpack(dkv, kshape, vshape))
     dmask = dmask.to(mask.dtype) if dmask is not None else None
     return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dvb.to(v.dtype), dmask

@@ -1,7 +1,7 @@
 """Autograd-aware collectives over one mesh axis, for local shards of DTensor-placed values.
 
 Every function moves a local shard from one placement to another on one mesh axis and
-knows its exact adjoint. Gradients follow one convention (see passes/grad_kinds.py):
+knows its exact adjoint. Gradients follow one convention (see rewrite/grad_kinds.py):
 the gradient of a Shard value is sharded the same way, of a Partial value it is the full
 gradient on every rank, and of a Replicate value it is either the full gradient on every
 rank (grad="R") or a contribution that sums to it over the axis (grad="P"). Functions
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..cost_model.comm import bytes_sent
 from ..dtypes import reduce_dtype
+from ..ir import GradKind, bytes_sent
 
-_c10d = torch.ops._c10d_functional
+c10d = torch.ops._c10d_functional
 
 
 # ---------------------------------------------------------------- traffic accounting
@@ -57,7 +57,7 @@ def count_comm():
         _ACTIVE_LOGS.remove(log)
 
 
-def _record(kind: str, axis: str, tensor: torch.Tensor, n: int) -> None:
+def record(kind: str, axis: str, tensor: torch.Tensor, n: int) -> None:
     if _ACTIVE_LOGS and not torch.compiler.is_compiling():
         sent = bytes_sent(kind, tensor.numel() * tensor.element_size(), n)
         for log in _ACTIVE_LOGS:
@@ -67,7 +67,7 @@ def _record(kind: str, axis: str, tensor: torch.Tensor, n: int) -> None:
 # ---------------------------------------------------------------- raw (non-autograd) ops
 
 
-def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     extra = size - x.shape[dim]
     if extra == 0:
         return x
@@ -78,9 +78,9 @@ def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 def raw_all_gather(x, dim, sizes, axis, group):
     n = len(sizes)
     chunk = max(sizes)
-    x = _pad_dim(x, dim, chunk).movedim(dim, 0).contiguous()
-    _record("all_gather", axis, x, n)
-    y = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, n, group))
+    x = pad_dim(x, dim, chunk).movedim(dim, 0).contiguous()
+    record("all_gather", axis, x, n)
+    y = c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
     y = y.movedim(0, dim)  # all chunks, each padded to `chunk`
     if all(s == chunk for s in sizes):
         return y.contiguous()
@@ -93,10 +93,10 @@ def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
     dtype, x = x.dtype, x.to(reduce_dtype(x.dtype, op))
     if any(s != chunk for s in sizes):
         pieces = torch.split(x, list(sizes), dim)
-        x = torch.cat([_pad_dim(p, dim, chunk) for p in pieces], dim)
+        x = torch.cat([pad_dim(p, dim, chunk) for p in pieces], dim)
     x = x.movedim(dim, 0).contiguous()
-    _record("reduce_scatter", axis, x, n)
-    y = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, _wire_op(op), n, group))
+    record("reduce_scatter", axis, x, n)
+    y = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, _wire_op(op), n, group))
     if op == "avg":
         y = y / n
     return y.movedim(0, dim).narrow(dim, 0, sizes[coord]).to(dtype).contiguous()
@@ -104,8 +104,8 @@ def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
 
 def raw_all_reduce(x, op, n, axis, group):
     dtype, x = x.dtype, x.to(reduce_dtype(x.dtype, op)).contiguous()
-    _record("all_reduce", axis, x, n)
-    y = _c10d.wait_tensor(_c10d.all_reduce(x, _wire_op(op), group))
+    record("all_reduce", axis, x, n)
+    y = c10d.wait_tensor(c10d.all_reduce(x, _wire_op(op), group))
     return (y / n if op == "avg" else y).to(dtype)
 
 
@@ -114,12 +114,12 @@ def _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, grou
     n = len(src_sizes)
     src_chunk, dst_chunk = max(src_sizes), max(dst_sizes)
     send = [
-        _pad_dim(_pad_dim(piece, dst_dim, dst_chunk), src_dim, src_chunk)
+        pad_dim(pad_dim(piece, dst_dim, dst_chunk), src_dim, src_chunk)
         for piece in torch.split(x, list(dst_sizes), dst_dim)
     ]
     buf = torch.stack(send).contiguous()
-    _record("all_to_all", axis, buf, n)
-    recv = _c10d.wait_tensor(_c10d.all_to_all_single(buf, [1] * n, [1] * n, group))
+    record("all_to_all", axis, buf, n)
+    recv = c10d.wait_tensor(c10d.all_to_all_single(buf, [1] * n, [1] * n, group))
     pieces = [
         recv[i].narrow(src_dim, 0, src_sizes[i]).narrow(dst_dim, 0, dst_sizes[coord])
         for i in range(n)
@@ -148,7 +148,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dim, sizes, coord, axis, group, grad = ctx.args
-        if grad == "R":
+        if grad == GradKind.R:
             gx = g.narrow(dim, _offset(sizes, coord), sizes[coord])
         else:
             gx = _raw_reduce_scatter(g, dim, sizes, coord, "sum", axis, group)
@@ -182,7 +182,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         op, n, axis, group, grad = ctx.args
-        if grad == "P":
+        if grad == GradKind.P:
             g = raw_all_reduce(g, "sum", n, axis, group)
         if op == "avg":
             g = g / n
@@ -215,7 +215,7 @@ class _ShardSlice(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dim, sizes, coord, axis, group, grad, full = ctx.args
-        if grad == "R":
+        if grad == GradKind.R:
             gx = raw_all_gather(g.contiguous(), dim, sizes, axis, group)
         else:  # a zero-padded contribution: the sum over the axis is the full gradient
             gx = g.new_zeros(g.shape[:dim] + (full,) + g.shape[dim + 1:])
@@ -237,7 +237,7 @@ class _ToPartial(torch.autograd.Function):
         op, coord, n, grad = ctx.args
         if op == "avg":
             g = g * n
-        if grad == "P" and coord != 0:
+        if grad == GradKind.P and coord != 0:
             g = torch.zeros_like(g)
         return g, None, None, None, None
 
@@ -270,7 +270,7 @@ class _GradMask(torch.autograd.Function):
 # `len(sizes)` or `n`, this rank's position `coord`). They appear by name in gm.code.
 
 
-def all_gather(x, *, dim: int, sizes: tuple[int, ...], coord: int, axis: str, group: str, grad: str):
+def all_gather(x, *, dim: int, sizes: tuple[int, ...], coord: int, axis: str, group: str, grad: GradKind):
     """Shard(dim) -> Replicate: concatenate the chunks of every rank."""
     return _AllGather.apply(x, dim, sizes, coord, axis, group, grad)
 
@@ -280,7 +280,7 @@ def reduce_scatter(x, *, dim: int, sizes: tuple[int, ...], coord: int, op: str, 
     return _ReduceScatter.apply(x, dim, sizes, coord, op, axis, group)
 
 
-def all_reduce(x, *, op: str, n: int, axis: str, group: str, grad: str):
+def all_reduce(x, *, op: str, n: int, axis: str, group: str, grad: GradKind):
     """Partial(op) -> Replicate."""
     return _AllReduce.apply(x, op, n, axis, group, grad)
 
@@ -291,12 +291,12 @@ def all_to_all(x, *, src_dim: int, dst_dim: int, src_sizes: tuple[int, ...],
     return _AllToAll.apply(x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, group)
 
 
-def shard_slice(x, *, dim: int, sizes: tuple[int, ...], coord: int, axis: str, group: str, grad: str):
+def shard_slice(x, *, dim: int, sizes: tuple[int, ...], coord: int, axis: str, group: str, grad: GradKind):
     """Replicate -> Shard(dim): keep this rank's chunk (no communication forward)."""
     return _ShardSlice.apply(x, dim, sizes, coord, axis, group, grad)
 
 
-def to_partial(x, *, op: str, coord: int, n: int, grad: str):
+def to_partial(x, *, op: str, coord: int, n: int, grad: GradKind):
     """Replicate -> Partial(op): a sum keeps the value on the first rank only, avg on all."""
     if op not in ("sum", "avg"):
         raise ValueError(f"cannot turn a replicated value into Partial({op}); only sum and avg")

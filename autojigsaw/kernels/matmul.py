@@ -17,17 +17,16 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..ir import GradKind
 from . import collectives as C
-
-_c10d = torch.ops._c10d_functional
-
+from .collectives import c10d
 
 # ---------------------------------------------------------------- the ring
 
 
 def _pack(t: torch.Tensor, dim: int, chunk: int) -> torch.Tensor:
     """`t` padded to `chunk` along dim, that dim moved first, contiguous: a message."""
-    return C._pad_dim(t, dim, chunk).movedim(dim, 0).contiguous()
+    return C.pad_dim(t, dim, chunk).movedim(dim, 0).contiguous()
 
 
 def _unpack(buf: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -39,7 +38,7 @@ def _exchange(buf: torch.Tensor, step: int, coord: int, n: int, group: str) -> t
     send, recv = [0] * n, [0] * n
     send[(coord + step) % n] = buf.shape[0]
     recv[(coord - step) % n] = buf.shape[0]
-    return _c10d.all_to_all_single(buf, recv, send, group)
+    return c10d.all_to_all_single(buf, recv, send, group)
 
 
 def _ring_gather(x, dim, sizes, coord, axis, group, consume) -> None:
@@ -50,14 +49,14 @@ def _ring_gather(x, dim, sizes, coord, axis, group, consume) -> None:
     """
     n = len(sizes)
     buf = _pack(x, dim, max(sizes))
-    C._record("all_gather", axis, buf, n)
+    C.record("all_gather", axis, buf, n)
     live = n > 1 and buf.numel() > 0  # same on every rank: only the padded chunk's shape matters
     pending = _exchange(buf, 1, coord, n, group) if live else None
     consume(coord, x)
     for step in range(1, n):
         recv = buf
         if live:
-            recv = _c10d.wait_tensor(pending)
+            recv = c10d.wait_tensor(pending)
             if step + 1 < n:
                 pending = _exchange(buf, step + 1, coord, n, group)
         src = (coord - step) % n
@@ -75,19 +74,19 @@ def _ring_reduce_scatter(produce, dim, sizes, coord, axis, group) -> torch.Tenso
     for step in range(1, n):
         buf = _pack(produce((coord + step) % n), dim, chunk)
         if step == 1:
-            C._record("reduce_scatter", axis, buf.unsqueeze(0).expand(n, *buf.shape), n)
+            C.record("reduce_scatter", axis, buf.unsqueeze(0).expand(n, *buf.shape), n)
         if buf.numel() == 0:
             continue
         issued = _exchange(buf, step, coord, n, group)
         if pending is not None:
-            recv = _c10d.wait_tensor(pending)
+            recv = c10d.wait_tensor(pending)
             total = recv if total is None else total + recv
         pending = issued
     own = produce(coord)
     if n == 1:
-        C._record("reduce_scatter", axis, own, n)  # nothing sent, but the call is counted
+        C.record("reduce_scatter", axis, own, n)  # nothing sent, but the call is counted
     if pending is not None:
-        recv = _c10d.wait_tensor(pending)
+        recv = c10d.wait_tensor(pending)
         total = recv if total is None else total + recv
     return own if total is None else own + _unpack(total, dim, sizes[coord])
 
@@ -175,7 +174,7 @@ class _AllGatherLinear(torch.autograd.Function):
             weight_part(dst)
             return gs[dst] @ weight
 
-        if need_x and grad == "P":
+        if need_x and grad == GradKind.P:
             dx = _ring_reduce_scatter(produce, dim, sizes, coord, axis, group)
         else:
             for i in range(len(sizes)):
@@ -186,14 +185,14 @@ class _AllGatherLinear(torch.autograd.Function):
 
 
 def all_gather_linear(x, weight, bias=None, *, dim: int, sizes: tuple[int, ...], coord: int,
-                      axis: str, group: str, grad: str):
+                      axis: str, group: str, grad: GradKind):
     """F.linear(all_gather(x, dim=dim, ...), weight, bias), the gather overlapped with the matmul.
 
     dim is a non-last dim of x (tokens, sequence, batch); the gradient of x follows `grad` as
     all_gather's does ("P": an overlapped matmul-reduce-scatter, "R": the local slice); the
     gradients of weight and bias are what F.linear gives on this rank (the caller reduces them).
     """
-    if grad not in ("R", "P"):
+    if grad not in tuple(GradKind):
         raise ValueError(f"all_gather_linear: grad={grad!r} on axis {axis!r}; use 'R' or 'P'")
     _check_axis("all_gather_linear", sizes, coord, axis, group)
     dim = _check_dim("all_gather_linear", x, dim, sizes[coord], sizes, axis)
@@ -278,12 +277,12 @@ class _SummaLinear(torch.autograd.Function):
         # Prefetch the domain all-gather of W's out-blocks; meanwhile multiply by our own block.
         a, wo = len(w_sizes), _offsets(w_sizes)
         buf = _pack(weight, 0, max(w_sizes))
-        C._record("all_gather", d_axis, buf, a)
-        pending = _c10d.all_gather_into_tensor(buf, a, d_group) if a > 1 and buf.numel() else None
+        C.record("all_gather", d_axis, buf, a)
+        pending = c10d.all_gather_into_tensor(buf, a, d_group) if a > 1 and buf.numel() else None
         own = F.linear(x, weight)
         w_full = weight
         if pending is not None:
-            w_full = _c10d.wait_tensor(pending)
+            w_full = c10d.wait_tensor(pending)
             if any(s != buf.shape[0] for s in w_sizes):
                 w_full = torch.cat([blk[:s] for blk, s in zip(w_full.chunk(a), w_sizes)])
         elif a > 1:

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from .collectives import raw_all_reduce
 from ..dtypes import acc_dtype
+from .collectives import raw_all_reduce
 from .softmax import check_group
 
 

@@ -1,4 +1,4 @@
-"""Kernel names (as strategies and plans say them) -> the call the rewrite emits."""
+"""What the other stages know of a kernel: the call it builds (by name), its traffic (by function), its cost (by name or op)."""
 
 from __future__ import annotations
 

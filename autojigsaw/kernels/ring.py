@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..placements import chunk_sizes
-from .collectives import _c10d, _record
+from .collectives import c10d, record
 
 Run = tuple[int, int]  # (global start, length)
 Layout = tuple[tuple[Run, ...], ...]  # the runs of every rank on the axis
@@ -65,14 +65,14 @@ def make_layout(seq_sizes: tuple[int, ...], layout: str) -> Layout:
 def ring_shift(buf: torch.Tensor, *, n: int, coord: int, axis: str, group: str) -> torch.Tensor:
     """Start sending flat `buf` to the next rank; returns the pending block of the previous one.
 
-    The result must go through `_c10d.wait_tensor` before use; compute placed between the two
+    The result must go through `c10d.wait_tensor` before use; compute placed between the two
     overlaps with the transfer.
     """
     assert buf.ndim == 1 and n > 1
     send, recv = [0] * n, [0] * n
     send[(coord + 1) % n] = recv[(coord - 1) % n] = buf.numel()
-    _record("send_recv", axis, buf, n)
-    return _c10d.all_to_all_single(buf.contiguous(), recv, send, group)
+    record("send_recv", axis, buf, n)
+    return c10d.all_to_all_single(buf.contiguous(), recv, send, group)
 
 
 # ---------------------------------------------------------------- relayout (an all-to-all)
@@ -101,8 +101,8 @@ def _relayout(x, dim, src: Layout, dst: Layout, coord, axis, group):
     recv = [_common(src[j], dst[coord]) for j in range(n)]
     parts = [rows.narrow(0, h, length) for seg in send for h, _, length in seg]
     buf = torch.cat(parts or [rows.narrow(0, 0, 0)]).contiguous()
-    _record("all_to_all", axis, buf, n)
-    out = _c10d.wait_tensor(_c10d.all_to_all_single(
+    record("all_to_all", axis, buf, n)
+    out = c10d.wait_tensor(c10d.all_to_all_single(
         buf, [sum(c[2] for c in seg) for seg in recv], [sum(c[2] for c in seg) for seg in send],
         group,
     ))

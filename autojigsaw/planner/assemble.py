@@ -9,9 +9,8 @@ from torch.fx import Node
 from ..capture import Captured
 from ..cost_model.compute import ATTENTION, MATMULS, NORMS, SOFTMAX
 from ..cost_model.estimate import CostContext
-from ..passes.grad_kinds import grads_by_name
 from ..cost_model.symbolic import name_sizes
-from ..passes.strategies import output_values, tensor_inputs
+from ..ir import output_values, tensor_inputs
 from ..modules import module_path
 from ..plan import NodeSharding, Plan
 from .explain import Explainer
@@ -41,15 +40,6 @@ def op_name(node: Node) -> str:
         return node.op
     name = str(node.target)
     return name.removesuffix(".default")
-
-
-def own_memory(problem: Problem, choice: np.ndarray) -> np.ndarray:
-    """Bytes each node holds under the choice: its linear memory items (storage, saves, state)."""
-    mem = problem.memory
-    out = np.zeros(len(problem.names))
-    for node, vec, _, _, scale in mem.lin:
-        out[node] += scale * mem.vectors[vec][choice[node]]
-    return out
 
 
 def fixed_solution(problem: Problem, plan: Plan) -> Solution:
@@ -83,7 +73,7 @@ def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: Cost
     comm_in = np.zeros(len(problem.names))
     for e in problem.edges:
         comm_in[e.dst] += e.costs.time[choice[e.src], choice[e.dst]]
-    memory = own_memory(problem, choice)
+    own = problem.memory.own_bytes([len(s) for s in problem.strategies])
     shardings = []
     for i, name in enumerate(problem.names):
         node, s = nodes[name], problem.strategies[i][choice[i]]
@@ -92,7 +82,7 @@ def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: Cost
             name=name, op=op_name(node), kind=node_kind(node, captured),
             shape=tuple(first.shape) if first is not None else (),
             inputs=s.inputs, outputs=s.outputs, kernel=s.kernel, fallback=s.fallback, note=s.note,
-            compute_s=float(problem.time[i][choice[i]]), memory_bytes=int(memory[i]),
+            compute_s=float(problem.time[i][choice[i]]), memory_bytes=int(own[i][choice[i]]),
             comm_s=float(comm_in[i]),
             input_shapes=tuple(tuple(output_values(src)[o].shape) for src, o in tensor_inputs(node)),
             module=module_path(node, captured.params) or "",
@@ -101,7 +91,6 @@ def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: Cost
     out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
     nodes_in_order = [nodes[name] for name in problem.names]
     sizes = name_sizes(captured.input_values, [nodes[ph].meta["val"] for ph in captured.params], ctx.mesh)
-    grad = grads_by_name(captured.gm, set(captured.params))
     return Plan(
         mesh=ctx.mesh, device=ctx.device.name, training=ctx.training, nodes=tuple(shardings),
         param_placements={fqn: by_name[ph].output for ph, fqn in captured.params.items()},
@@ -110,5 +99,5 @@ def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: Cost
         memory_per_rank=int(round(solution.peak_memory)), comm_bytes=0,
         step_time=float(solution.objective), memory_budget=budget,
         peak_at=problem.memory.describe(solution.peak_point),
-        explainer=Explainer(nodes_in_order, problem, solution, ctx, sizes, budget, grad),
+        explainer=Explainer(nodes_in_order, problem, solution, ctx, sizes, budget, problem.grad),
     )

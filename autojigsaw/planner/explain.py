@@ -20,8 +20,7 @@ from torch.fx import Node
 from ..cost_model.estimate import CostContext, collective_steps, consumer_partial_axes
 from ..cost_model.formulas import scaling
 from ..cost_model.symbolic import Sizes, collective_formula, local_dims, node_formula
-from ..passes.redistribute import redistribute_steps
-from ..passes.strategies import output_values, tensor_inputs
+from ..ir import output_values, redistribute_steps, tensor_inputs
 from ..placements import format_placements
 from ..plan import format_seconds
 from .milp import Solution

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch.fx import Node
 
+from ..ir import Strategy, output_values, tensor_inputs
 from ..modules import layer_of, module_path
-from ..passes.strategies import Strategy, output_values, tensor_inputs
 
 def tie_groups(nodes: list[Node], strategies: list[list[Strategy]], params: dict[str, str]) -> np.ndarray:
     """Group id per node: tied nodes of repeated layers share one, every other node has its own."""

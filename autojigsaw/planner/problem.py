@@ -14,8 +14,7 @@ from torch.fx import GraphModule, Node
 
 from ..cost_model.estimate import CostContext, EdgeCosts, consumer_partial_axes, edge_costs, node_costs
 from ..cost_model.liveness import MemoryModel, build_memory
-from ..passes.meta import STRATEGIES
-from ..passes.strategies import Strategy, output_values, tensor_inputs
+from ..ir import STRATEGIES, Strategy, output_values, tensor_inputs
 from .layers import tie_groups
 
 
@@ -39,6 +38,7 @@ class Problem:
     edges: list[Edge]
     memory: MemoryModel
     group: np.ndarray  # node -> variable group; nodes of one group take the same strategy
+    grad: dict[str, bool]  # node name -> whether its output receives a gradient
 
     @property
     def n_nodes(self) -> int:
@@ -81,7 +81,7 @@ TIE_ABOVE = 4096  # binaries: smaller problems are solved exactly without tying 
 
 def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], grad: dict[str, bool], *,
                   persistent: set[str], tie_layers: bool | None = None) -> Problem:
-    """Costs of every strategy of every node of an annotated graph (passes/strategies.annotate).
+    """Costs of every strategy of every node of an annotated graph (strategies.annotate).
 
     `params`: parameter placeholders -> FQN; `persistent`: placeholders live for the whole step
     (parameters and buffers); `tie_layers`: give repeated layers one shared strategy (None:
@@ -121,7 +121,7 @@ def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], gra
     if tie_layers is None:
         tie_layers = sum(len(s) for s in strategies) > TIE_ABOVE
     group = tie_groups(nodes, strategies, params) if tie_layers else np.arange(len(nodes))
-    return Problem([n.name for n in nodes], strategies, times, edges, memory, group)
+    return Problem([n.name for n in nodes], strategies, times, edges, memory, group, grad)
 
 
 def _without(partial: tuple[bool, ...], axis: int | None) -> tuple[bool, ...]:

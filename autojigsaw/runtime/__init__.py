@@ -1,1 +1,1 @@
-"""The module users get back: DTensor parameters outside, the rewritten local graph inside."""
+"""The runtime: the module users get back (DTensor parameters outside, the local graph inside), materialization, loading."""

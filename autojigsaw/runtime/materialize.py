@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..placements import Placements, local_offset, local_shape
-from .init import is_recorded, materialize
+from .init import forget, is_recorded, materialize
 
 
 def local_view(t: torch.Tensor, placements: Placements, mesh_sizes, coord) -> torch.Tensor:
@@ -51,6 +51,15 @@ def shard_parameters(model: nn.Module, param_placements: dict[str, Placements], 
         new = nn.Parameter(dt, requires_grad=param.requires_grad)
         for mod, name in _owners(model, param):
             setattr(mod, name, new)
+
+
+def materialize_model(model: nn.Module, param_placements: dict[str, Placements], device_mesh,
+                      coord: tuple[int, ...]) -> None:
+    """This rank's parameter shards and whole buffers, the meta_init recordings then dropped."""
+    recorded = [t for t in (*model.parameters(), *model.buffers()) if t.is_meta]
+    shard_parameters(model, param_placements, device_mesh, coord)
+    materialize_buffers(model)
+    forget(recorded)
 
 
 def materialize_buffers(model: nn.Module) -> None:

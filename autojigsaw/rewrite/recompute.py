@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..capture import Captured
 from ..modules import layer_of, module_path
 from ..plan import Plan
-from .meta import ORIGIN
+from ..ir import ORIGIN
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

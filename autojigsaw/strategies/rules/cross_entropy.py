@@ -23,14 +23,13 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
-from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import roofline_time
 from ...dtypes import acc_dtype
+from ...ir import GLOBAL, PLACEMENTS, bytes_sent
 from ...kernels import registry
 from ...kernels.cross_entropy import REDUCTIONS, vocab_parallel_cross_entropy
 from ...placements import local_offset, local_shape
-from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, per_axis, register
+from .base import AxisOption, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()

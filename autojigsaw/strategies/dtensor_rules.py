@@ -17,12 +17,19 @@ import torch.distributed.tensor._ops.utils as _dtensor_op_utils
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._api import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TupleStrategy,
+)
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _expand_single_dim_strategy_to_mesh,
+)
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
-from ..mesh import MeshSpec
+from ..mesh import MeshSpec, RankView
 from ..placements import Placements, local_shape, normalize
 
 _PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
@@ -142,7 +149,7 @@ def _placements(spec) -> Placements | None:
     return normalize(pl, ndim) if ndim else pl
 
 
-def local_call(node: Node, mesh: MeshSpec, coord: tuple[int, ...], inputs: tuple[Placements, ...],
+def local_call(node: Node, rank: RankView, inputs: tuple[Placements, ...],
                outputs: tuple[Placements | None, ...], tensor_args: list) -> tuple[object, tuple, dict]:
     """The (op, args, kwargs) that compute this rank's shard, as DTensor's dispatch would.
 
@@ -153,14 +160,14 @@ def local_call(node: Node, mesh: MeshSpec, coord: tuple[int, ...], inputs: tuple
     if op in _PROPAGATOR.op_to_shape_and_stride_idx:
         index = _PROPAGATOR.op_to_shape_and_stride_idx[op]
         shape_idx, stride_idx = index if isinstance(index, tuple) else (index, None)
-        local = local_shape(node.meta["val"].shape, outputs[0], mesh.sizes, coord)
+        local = local_shape(node.meta["val"].shape, outputs[0], rank.mesh.sizes, rank.coord)
         args[shape_idx] = list(local)
         if stride_idx is not None:
             args[stride_idx] = list(torch.empty(local, device="meta").stride())
     elif op in _PROPAGATOR.squeeze_op_to_dims_variant:
         op, args = _squeeze_global_singletons(node)
     elif op in _PROPAGATOR.op_to_scalar_shape_adjuster:
-        dmesh = _mesh_at(mesh, coord)
+        dmesh = rank.fake_device_mesh
         tensor_nodes = [a for a in args if isinstance(a, Node)]
         specs = [DTensorSpec(dmesh, p, _meta(a.meta["val"])) for p, a in zip(inputs, tensor_nodes)]
         it = iter(specs)
@@ -186,19 +193,3 @@ def _squeeze_global_singletons(node: Node):
         asked = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
         dims = [d % ndim for d in asked if x.shape[d % ndim] == 1]
     return _PROPAGATOR.squeeze_op_to_dims_variant[node.target], [node.args[0], dims]
-
-
-_MESHES: dict = {}
-
-
-def _mesh_at(mesh: MeshSpec, coord: tuple[int, ...]):
-    """A fake DeviceMesh seen from the rank at `coord` (DTensor computes local shapes from it)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = (mesh, coord)
-    if key not in _MESHES:
-        ranks = torch.arange(mesh.world_size).reshape(mesh.sizes)
-        rank = int(ranks[coord])
-        _MESHES[key] = DeviceMesh("cpu", ranks, mesh_dim_names=mesh.axis_names,
-                                  _init_backend=False, _rank=rank)
-    return _MESHES[key]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ...ir import Strategy, tensor_inputs
 from ..dtensor_rules import dtensor_strategies
-from . import AxisOption, per_axis, register
+from .base import AxisOption, per_axis, register
 
 aten = torch.ops.aten
 
@@ -24,8 +25,6 @@ _SAME_AS = {
 
 @register(*_SAME_AS)
 def pointwise_twin(node, mesh, candidates):
-    from ..strategies import Strategy, tensor_inputs
-
     original = node.target
     node.target = _SAME_AS[original]
     try:

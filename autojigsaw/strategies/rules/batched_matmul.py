@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from . import AxisOption, per_axis, register
+from .base import AxisOption, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()

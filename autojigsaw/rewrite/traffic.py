@@ -11,13 +11,11 @@ from collections import defaultdict
 
 from torch.fx import GraphModule, Node
 
-from ..cost_model.comm import bytes_sent
 from ..dtypes import reduce_dtype
+from ..ir import GLOBAL, ORIGIN, PLACEMENTS, GradKind, bytes_sent, needs_grad
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..placements import local_shape
-from .grad_kinds import needs_grad
-from .meta import GLOBAL, ORIGIN, PLACEMENTS
 
 
 def local_numel(node: Node, rank) -> tuple[list[int], int]:
@@ -61,7 +59,7 @@ def collective_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str,
     out = []
     if node.target is C.all_gather:
         out.append(("all_gather", gather_bytes(shape, itemsize, kw["dim"], kw["sizes"])))
-        if backward and kw["grad"] == "P":
+        if backward and kw["grad"] == GradKind.P:
             out.append(("reduce_scatter", scatter_bytes(shape, _summed_itemsize(src), kw["dim"], kw["sizes"])))
     elif node.target is C.reduce_scatter:
         out.append(("reduce_scatter", scatter_bytes(shape, _summed_itemsize(src, kw["op"]), kw["dim"], kw["sizes"])))
@@ -71,7 +69,7 @@ def collective_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str,
         numel = math.prod(shape)
         if node.target is C.all_reduce:
             out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src, kw["op"]), kw["n"])))
-        if backward and (node.target is C.grad_all_reduce or kw["grad"] == "P"):
+        if backward and (node.target is C.grad_all_reduce or kw["grad"] == GradKind.P):
             out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src), kw["n"])))
     elif node.target is C.all_to_all:
         n = len(kw["src_sizes"])
@@ -80,7 +78,7 @@ def collective_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str,
         out.append(("all_to_all", bytes_sent("all_to_all", numel * itemsize, n)))
         if backward:
             out.append(out[0])
-    elif node.target is C.shard_slice and backward and kw["grad"] == "R":
+    elif node.target is C.shard_slice and backward and kw["grad"] == GradKind.R:
         out.append(("all_gather", gather_bytes(shape, itemsize, kw["dim"], kw["sizes"])))
     return out
 

@@ -1,4 +1,4 @@
-"""autojigsaw's own sharding rules, for the ops whose best layouts DTensor's rules miss.
+"""The rule registry and the per-axis helpers every rule is written with.
 
 A rule takes (node, mesh, candidates) -- candidates[i] lists the placements input i may
 arrive in -- and returns the node's strategies. Most rules are written for one mesh axis
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Shard
 from torch.fx import Node
 
+from ...ir import Strategy
 from ...mesh import MeshSpec
 from ...placements import Placement, Placements, format_placements
 
@@ -49,8 +50,6 @@ class AxisOption:
 
 def per_axis(mesh: MeshSpec, options: Callable[[int], list[AxisOption]]):
     """Strategies from every combination of per-axis options; `options(n)` for an axis of n ranks."""
-    from ..strategies import Strategy
-
     per = [options(n) for n in mesh.sizes]
     out = []
     for combo in itertools.product(*per):
@@ -72,6 +71,3 @@ def kernel_axis(node: Node, placements: Placements, dim: int, kernel: str) -> in
                          f"Shard({dim}) on exactly one, but its placements are {format_placements(placements)}; "
                          "edit the plan or plan again")
     return axes[0]
-
-
-from . import attention, batched_matmul, conv, cross_entropy, elementwise, matmul, norm, softmax  # noqa: E402,F401  (register the rules)

@@ -21,11 +21,11 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..dtypes import reduce_dtype
+from ..ir import AXIS, GLOBAL, ORIGIN, PLACEMENTS, GradKind
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
-from .comm_accounting import gather_bytes, local_numel, scatter_bytes
-from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
+from .traffic import gather_bytes, local_numel, scatter_bytes
 
 _LINEAR = torch.ops.aten.linear.default
 
@@ -79,7 +79,7 @@ def _gather_linear(gm: GraphModule, linear: Node) -> bool:
     kw = x.kwargs
     if kw["dim"] % x.meta[GLOBAL].ndim == x.meta[GLOBAL].ndim - 1:
         return False  # the gathered dim holds the features: not a token / batch dim
-    if kw["grad"] == "P" and not _sums_natively(x):
+    if kw["grad"] == GradKind.P and not _sums_natively(x):
         return False
     _replace(gm, linear, all_gather_linear, (x.args[0], w, b), dict(kw), [x])
     return True
@@ -105,7 +105,7 @@ def _summa(gm: GraphModule, linear: Node) -> bool:
         return False
     g, s = wg.kwargs, scatter.kwargs
     ndim = linear.meta[GLOBAL].ndim
-    if (g["dim"] != 0 or g["grad"] != "P" or s["op"] != "sum" or s["dim"] % ndim != ndim - 1
+    if (g["dim"] != 0 or g["grad"] != GradKind.P or s["op"] != "sum" or s["dim"] % ndim != ndim - 1
             or g["axis"] == s["axis"] or sum(g["sizes"]) != sum(s["sizes"])):
         return False
     kwargs = dict(weight_sizes=g["sizes"], out_sizes=s["sizes"],
@@ -132,7 +132,7 @@ def _scatter_bytes(out: Node, dim: int, sizes, rank) -> int:
 def _gather_linear_traffic(node, rank, backward):
     kw = node.kwargs
     nbytes = _gather_bytes(node.args[0], kw["dim"], kw["sizes"], rank)
-    back = [("reduce_scatter", nbytes)] if node.args[0] in backward and kw["grad"] == "P" else []
+    back = [("reduce_scatter", nbytes)] if node.args[0] in backward and kw["grad"] == GradKind.P else []
     return [("all_gather", nbytes)] + back
 
 

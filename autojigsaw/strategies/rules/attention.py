@@ -21,13 +21,13 @@ import math
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
+from ...dtypes import acc_dtype
+from ...ir import GLOBAL, PLACEMENTS, bytes_sent, tensor_inputs
 from ...kernels import registry, seq_attention
 from ...kernels.ring import zigzag_sizes
 from ...placements import chunk_sizes, local_offset, local_shape
-from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, kernel_axis, per_axis, register
+from .base import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -134,12 +134,11 @@ def _seq_axis(node, spec) -> int:
 
 
 def _ring_call(node, spec, rank, local_inputs):
-    args, a = sdpa_args(node), _seq_axis(node, spec)
+    args, ax = sdpa_args(node), rank.axis(_seq_axis(node, spec))
     mask = local_inputs[3] if len(local_inputs) > 3 else None
     kwargs = dict(is_causal=args["is_causal"], scale=args["scale"], enable_gqa=args["enable_gqa"],
                   layout=RINGS[spec.kernel], seq_len=node.args[0].meta["val"].shape[-2],
-                  coord=rank.coord[a], n=rank.mesh.sizes[a], axis=rank.mesh.axis_names[a],
-                  group=rank.groups[a])
+                  coord=ax.coord, n=ax.size, axis=ax.name, group=ax.group)
     return seq_attention.ring, (*local_inputs[:3], mask), kwargs
 
 
@@ -172,7 +171,7 @@ def _ring_traffic(node, rank, backward) -> list[tuple[str, int]]:
     (k_shape, dtype), (v_shape, _) = _local(k, rank), _local(v, rank)
     rest = math.prod(k_shape) // k_shape[-2] + math.prod(v_shape) // v_shape[-2]
     sizes = zigzag_sizes(kw["seq_len"], n) if zigzag else chunk_sizes(kw["seq_len"], n)
-    acc = 8 if dtype == torch.float64 else 4
+    acc = acc_dtype(dtype).itemsize
     hop = ("send_recv", bytes_sent("send_recv", rest * max(sizes) * dtype.itemsize, n))
     grad_hop = ("send_recv", bytes_sent("send_recv", rest * max(sizes) * acc, n))
     out = [hop] * (n - 1) + ([hop] * (n - 1) + [grad_hop] * n if backward else [])
@@ -202,7 +201,6 @@ def attention_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     K/V whole --, its output and log-sum-exp, which is what the ring saves too), but for causal
     gathered K/V: SDPA also saves the shifted mask it is given, as a [rows, keys] float tensor.
     """
-    from ..strategies import tensor_inputs
 
     vals = [src.meta["val"] for src, _ in tensor_inputs(node)]
     shapes = [local_shape(v.shape, p, ctx.mesh.sizes, ctx.coord0) for v, p in zip(vals, strategy.inputs)]
@@ -214,7 +212,7 @@ def attention_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     causal = sdpa_args(node)["is_causal"]
     full = flops(SDPA, shapes[:3], [out])  # every local query row against every local key
     if strategy.kernel in RINGS:
-        return _ring_time(strategy, ctx, shapes, full, moved, dtype, causal, backward), math.nan
+        return _ring_time(node, strategy, ctx, shapes, full, moved, dtype, causal, backward), math.nan
     share = 0.5 if causal and strategy.kernel == "local" else 1.0  # a shifted mask hides nothing
     t = float(roofline_time(share * full, moved, dtype, ctx.device, "attention")) * (1 + backward)
     if not (causal and backward and strategy.kernel == "kv_gather_attention"):
@@ -225,11 +223,11 @@ def attention_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     return t, (sum(math.prod(s) for s in shapes[:3]) + mask) * dtype.itemsize + lse
 
 
-def _ring_time(strategy, ctx, shapes, block: float, moved: int, dtype, causal: bool,
+def _ring_time(node, strategy, ctx, shapes, block: float, moved: int, dtype, causal: bool,
                backward: float) -> float:
     """n steps, each computing one block of keys while the next travels; the slowest rank sets the pace."""
     q, k, v = shapes[:3]
-    a = strategy.inputs[0].index(Shard(len(q) - 2))
+    a = kernel_axis(node, strategy.inputs[0], len(q) - 2, strategy.kernel)
     n = ctx.mesh.sizes[a]
     zigzag = RINGS[strategy.kernel] == "zigzag"
     # The share of a block the busiest rank computes per step: after the diagonal, causal
@@ -246,7 +244,7 @@ def _ring_time(strategy, ctx, shapes, block: float, moved: int, dtype, causal: b
     hop = send("send_recv", kv_numel * dtype.itemsize)
     t = sum(max(compute(s), hop) for s in steps[:-1]) + compute(steps[-1])
     if backward:  # K, V travel again, their gradients (fp32 or fp64) once more, the last hop home
-        grad_hop = send("send_recv", kv_numel * (8 if dtype == torch.float64 else 4))
+        grad_hop = send("send_recv", kv_numel * acc_dtype(dtype).itemsize)
         t += sum(max(backward * compute(s), hop + grad_hop) for s in steps[:-1])
         t += max(backward * compute(steps[-1]), grad_hop) + grad_hop
     if zigzag:  # q, k, v to zigzag and the output back, their gradients the other way

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ...placements import chunk_sizes
-from . import AxisOption, per_axis, register
+from .base import AxisOption, per_axis, register
 from .matmul import trim_options
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Partial
 
-from .placements import Placement, local_offset, local_shape, normalize
+from ..placements import Placement, local_offset, local_shape, normalize
 
 
 def load_shard(read_fn: Callable[[tuple[slice, ...]], object], global_shape: Sequence[int],

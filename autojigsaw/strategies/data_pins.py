@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from ..capture import Captured
 from ..mesh import MeshSpec
 from ..placements import Placements
-from ..training import DATA_AXIS_NAMES, Regime, data_axis
+from ..training import DATA_AXIS_NAMES
 
 
 
@@ -53,16 +52,3 @@ def data_pins(captured: Captured, mesh: MeshSpec, fixed: dict[str, Placements]) 
         pins[name] = tuple(pin)
     return pins
 
-
-def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, mp_policy=None) -> None:
-    """FSDP2 (`fully_shard`) over the data axis when the regime says "fsdp", with its mixed precision.
-
-    The graph sums the weights' gradients over the data axis itself, so FSDP's reduce-scatter
-    averages equal sums: the gradients are the single-device ones.
-    """
-    axis = data_axis(MeshSpec.of(device_mesh))
-    if not regime.fsdp or axis is None or device_mesh.mesh.shape[axis] == 1:
-        return
-    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    fully_shard(module, mesh=device_mesh, dp_mesh_dims=DataParallelMeshDims(shard=device_mesh.mesh_dim_names[axis]),
-                **kwargs)

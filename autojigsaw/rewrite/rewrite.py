@@ -1,32 +1,29 @@
 """Rewrite: Plan + graph -> the graph one rank runs, on local shards with explicit collectives.
 
 Every node of the captured graph becomes: the collectives that move its inputs to the
-placements its strategy needs (passes/redistribute.py), then its op on local shards
+placements its strategy needs (ir.redistribute_steps), then its op on local shards
 (DTensor's local-argument rules make view and factory shapes local) or an autojigsaw
-kernel. Gradient collectives are then set by passes/grad_kinds.py. The result is plain
+kernel. Gradient collectives are then set by rewrite/grad_kinds.py. The result is plain
 FX: `gm.code` reads as the program each rank runs.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..capture import Captured
+from ..ir import (AXIS, GLOBAL, ORIGIN, PLACEMENTS, Collective, GradKind, output_values, redistribute_steps, step_sizes,
+                  tensor_inputs)
 from ..kernels import collectives, registry
-from ..mesh import MeshSpec
-from ..placements import Placements, local_shape
+from ..mesh import RankView
+from ..placements import Placements
 from ..plan import Plan
-from .dtensor_rules import local_call
+from ..strategies.dtensor_rules import local_call
 from .fuse import fuse_collectives
 from .grad_kinds import set_grad_kinds
-from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
-from .redistribute import redistribute_steps, step_sizes
-from .strategies import output_values, tensor_inputs
-
 
 # Export turned reshapes into views where the traced strides allowed it; local shards
 # from collectives may have other strides, so views become reshapes (still views when legal).
@@ -34,17 +31,15 @@ _RESHAPES = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
              torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 
 
-@dataclass(frozen=True)
-class RankView:
-    """One rank's place in the mesh: its coordinate and the process group of each axis."""
-
-    mesh: MeshSpec
-    coord: tuple[int, ...]
-    groups: tuple[str | None, ...]  # None: planning only, the graph is never run
-
-    @classmethod
-    def planning(cls, mesh: MeshSpec) -> RankView:
-        return cls(mesh, (0,) * mesh.ndim, (None,) * mesh.ndim)
+# The function that runs each resharding step on local shards.
+_COLLECTIVES = {
+    Collective.all_gather: collectives.all_gather,  # Shard -> Replicate: concatenate every rank's chunk
+    Collective.reduce_scatter: collectives.reduce_scatter,  # Partial -> Shard: sum, keep this rank's chunk
+    Collective.all_reduce: collectives.all_reduce,  # Partial -> Replicate: the sum on every rank
+    Collective.all_to_all: collectives.all_to_all,  # Shard(i) -> Shard(j): swap the split dim in one exchange
+    Collective.shard_slice: collectives.shard_slice,  # Replicate -> Shard: slice locally, nothing sent
+    Collective.to_partial: collectives.to_partial,  # Replicate -> Partial: keep the value on one rank
+}
 
 
 def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = True,
@@ -118,7 +113,7 @@ def _emit(graph: Graph, env, moved, node: Node, spec, rank: RankView) -> Node:
     local_inputs = [_moved(env, moved, graph, src, i, pl, rank, node.name)
                     for (src, i), pl in zip(inputs, spec.inputs)]
     if spec.kernel == "local":
-        op, args, kwargs = local_call(node, rank.mesh, rank.coord, spec.inputs, spec.outputs, local_inputs)
+        op, args, kwargs = local_call(node, rank, spec.inputs, spec.outputs, local_inputs)
         op = _RESHAPES.get(op, op)
     else:
         op, args, kwargs = registry.kernel_call(spec.kernel, node, spec, rank, local_inputs)
@@ -146,7 +141,7 @@ def _moved(env, moved, graph: Graph, src: Node, index: int, target: Placements,
         if n == 1:
             continue
         args = step_sizes(step, shape, rank.mesh.sizes, rank.coord)
-        fn = getattr(collectives, step.kind)
+        fn = _COLLECTIVES[step.kind]
         kwargs = {**args, **_axis_args(step.kind, rank, a, n)}
         value = graph.call_function(fn, (value,), kwargs)
         value.meta[PLACEMENTS] = (step.after,)
@@ -157,20 +152,13 @@ def _moved(env, moved, graph: Graph, src: Node, index: int, target: Placements,
     return value
 
 
-def _axis_args(kind: str, rank: RankView, a: int, n: int) -> dict:
-    name, group, coord = rank.mesh.axis_names[a], rank.groups[a], rank.coord[a]
-    if kind == "to_partial":
-        return {"coord": coord, "n": n, "grad": "R"}
-    if kind == "all_reduce":
-        return {"n": n, "axis": name, "group": group, "grad": "R"}
-    if kind == "reduce_scatter" or kind == "all_to_all":
-        return {"coord": coord, "axis": name, "group": group}
-    return {"coord": coord, "axis": name, "group": group, "grad": "R"}  # all_gather, shard_slice
-
-
-def local_shapes(node: Node, mesh: MeshSpec, coord: tuple[int, ...]) -> list[tuple[int, ...] | None]:
-    """Local shapes of a rewritten node's outputs on the rank at `coord`."""
-    vals = node.meta.get(GLOBAL)
-    vals = vals if isinstance(vals, (tuple, list)) else [vals]
-    return [local_shape(v.shape, p, mesh.sizes, coord) if isinstance(v, torch.Tensor) and p else None
-            for v, p in zip(vals, node.meta[PLACEMENTS])]
+def _axis_args(kind: Collective, rank: RankView, a: int, n: int) -> dict:
+    """The axis arguments of a step's collective; its gradient kind is settled by set_grad_kinds."""
+    ax = rank.axis(a)
+    if kind == Collective.to_partial:
+        return {"coord": ax.coord, "n": n, "grad": GradKind.R}
+    if kind == Collective.all_reduce:
+        return {"n": n, "axis": ax.name, "group": ax.group, "grad": GradKind.R}
+    if kind in (Collective.reduce_scatter, Collective.all_to_all):
+        return {"coord": ax.coord, "axis": ax.name, "group": ax.group}
+    return {"coord": ax.coord, "axis": ax.name, "group": ax.group, "grad": GradKind.R}  # all_gather, shard_slice

@@ -1,9 +1,9 @@
-"""Strategies: for every node, the legal ways to run it on local shards.
+"""Annotate: every node's legal ways to run on local shards, written to node.meta[STRATEGIES].
 
-A Strategy fixes the placement of each tensor input and output on every mesh axis, and
+A Strategy (ir.py) fixes the placement of each tensor input and output on every mesh axis, and
 the kernel that computes the output shards ("local" = the same ATen op on local shards;
 others are autojigsaw kernels that communicate inside). Rules come from autojigsaw's own
-rules (passes/rules: matmuls, norms, softmax, attention, ...) first, then DTensor's, and a
+rules (strategies/rules: matmuls, norms, softmax, attention, ...) first, then DTensor's, and a
 node no rule covers runs replicated, marked as a fallback: slower, never wrong.
 """
 
@@ -12,55 +12,17 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
+from ..ir import STRATEGIES, Strategy, output_values, tensor_inputs
 from ..mesh import MeshSpec
 from ..placements import Placements, replicated
 from . import rules
 from .dtensor_rules import dtensor_strategies
-from .meta import STRATEGIES
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One way to run a node: placements of its tensor inputs and outputs, and the kernel."""
-
-    inputs: tuple[Placements, ...]
-    outputs: tuple[Placements | None, ...]
-    kernel: str = "local"
-    fallback: bool = False
-    note: str = ""
-
-    @property
-    def output(self) -> Placements:
-        return self.outputs[0]
-
-
-def tensor_inputs(node: Node) -> list[tuple[Node, int]]:
-    """The tensor values a node reads, as (producer, output index), in flattened arg order."""
-    if node.op == "call_function" and node.target is operator.getitem:
-        return [(node.args[0], node.args[1])]
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [(a, 0) for a in leaves if isinstance(a, Node) and _is_tensor_value(a)]
-
-
-def _is_tensor_value(node: Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) or (
-        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
-
-
-def output_values(node: Node) -> list[torch.Tensor | None]:
-    """The node's outputs (one entry per tuple element), non-tensors as None."""
-    val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return [v if isinstance(v, torch.Tensor) else None for v in val]
-    return [val if isinstance(val, torch.Tensor) else None]
 
 
 def layout_candidates(shape: Sequence[int], mesh: MeshSpec) -> list[Placements]:
@@ -119,7 +81,7 @@ def node_strategies(node: Node, mesh: MeshSpec, fixed: dict[str, Placements] | N
             pin = fixed[node.name]
             if None not in pin:
                 return [Strategy((), (pin,))]
-            # None leaves an axis to the planner (a data axis pins only its own: runtime/data_parallel.py)
+            # None leaves an axis to the planner (a data axis pins only its own: strategies/data_pins.py)
             return [Strategy((), (p,)) for p in layout_candidates(val.shape, mesh)
                     if all(want is None or want == got for want, got in zip(pin, p))]
         key = ("placeholder", tuple(val.shape), val.dtype)

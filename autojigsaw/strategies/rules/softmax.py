@@ -16,14 +16,14 @@ import math
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
+from ...dtypes import acc_dtype
+from ...ir import GLOBAL, PLACEMENTS, bytes_sent
 from ...kernels import registry
 from ...kernels.safe_softmax import sharded_safe_softmax
 from ...kernels.softmax import sharded_log_softmax, sharded_softmax
 from ...placements import local_shape
-from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, kernel_axis, per_axis, register
+from .base import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
@@ -74,15 +74,14 @@ def _axis(node, spec, dim: int) -> int:
 @registry.register("sharded_softmax")
 def _sharded_call(node, spec, rank, local_inputs):
     dim = node.args[1] % node.args[0].meta["val"].ndim
-    a = _axis(node, spec, dim)
-    kwargs = dict(half_to_float=half_to_float(node), n=rank.mesh.sizes[a],
-                  axis=rank.mesh.axis_names[a], group=rank.groups[a])
+    ax = rank.axis(_axis(node, spec, dim))
+    kwargs = dict(half_to_float=half_to_float(node), n=ax.size, axis=ax.name, group=ax.group)
     return _KERNELS[node.target], (local_inputs[0], dim), kwargs
 
 
 def _stats_bytes(shape, dim: int, dtype: torch.dtype) -> int:
     """Bytes of one all-reduced row statistic (max or sum), in the kernel's accumulation dtype."""
-    acc = 8 if dtype == torch.float64 else 4
+    acc = acc_dtype(dtype).itemsize
     return math.prod(shape[:dim]) * math.prod(shape[dim + 1:]) * acc
 
 

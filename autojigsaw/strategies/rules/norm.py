@@ -14,14 +14,13 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
-from ...cost_model.comm import bytes_sent
 from ...cost_model.compute import backward_factor, flops, roofline_time
+from ...dtypes import acc_dtype
+from ...ir import GLOBAL, PLACEMENTS, bytes_sent
 from ...kernels import registry
 from ...kernels.norm import sharded_layer_norm, sharded_rms_norm
-from ...dtypes import acc_dtype
 from ...placements import local_shape
-from ..meta import GLOBAL, PLACEMENTS
-from . import AxisOption, kernel_axis, per_axis, register
+from .base import AxisOption, kernel_axis, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
@@ -67,9 +66,9 @@ def _call(kernel, eps_at: int):
         args = list(node.args) + [None] * 4
         params = [next(inputs) if isinstance(args[i], Node) else None for i in _PARAMS[node.target]]
         eps = () if args[eps_at] is None else (args[eps_at],)  # absent: the kernel's default
-        a = _stat_axis(node, spec)
+        ax = rank.axis(_stat_axis(node, spec))
         return (kernel, (local_inputs[0], list(node.args[1]), *params, *eps),
-                {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a], "group": rank.groups[a]})
+                {"n": ax.size, "axis": ax.name, "group": ax.group})
 
     return build
 

@@ -20,9 +20,8 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.fx import Graph, GraphModule, Node
 
-from ..dtypes import value_carries_grad
+from ..ir import AXIS, GLOBAL, ORIGIN, PLACEMENTS, GradKind, needs_grad
 from ..kernels import collectives as C
-from .meta import AXIS, GLOBAL, ORIGIN, PLACEMENTS
 
 aten = torch.ops.aten
 
@@ -43,7 +42,7 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str]) -
     """
     graph = gm.graph
     grad = needs_grad(gm, sources)
-    kinds: dict[tuple[Node, int, int], str] = {}
+    kinds: dict[tuple[Node, int, int], GradKind] = {}
     for node in reversed(list(graph.nodes)):
         if not grad.get(node) or node.op == "output":
             continue
@@ -52,10 +51,10 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str]) -
             axes = [a for a, p in enumerate(pl or ()) if isinstance(p, Replicate) and rank.mesh.sizes[a] > 1]
             said = {a: {u: _contribution(u, a, kinds) for u in _readers(node, idx)} for a in axes}
             for a in axes:
-                kinds[(node, idx, a)] = "P" if "P" in said[a].values() else "R"
+                kinds[(node, idx, a)] = GradKind.P if GradKind.P in said[a].values() else GradKind.R
             if not multi:  # a tuple's readers are getitems, which settle themselves
                 _agree(graph, node, {a: (kinds[(node, idx, a)], said[a]) for a in axes}, rank)
-                _settle_before_parameters(graph, node, [a for a in axes if kinds[(node, idx, a)] == "P"],
+                _settle_before_parameters(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P],
                                           kinds, grad, params, rank)
         if multi:
             _mask_full_items(graph, node, kinds, rank)
@@ -74,7 +73,7 @@ def _settle_before_parameters(graph: Graph, node: Node, axes: list[int], kinds, 
               and _all_summed_upstream([i for i in node.all_input_nodes if i.op != "placeholder"], a, grad)]
     _sum_gradient_at(graph, node, settle, rank)
     for a in settle:
-        kinds[(node, 0, a)] = "R"
+        kinds[(node, 0, a)] = GradKind.R
 
 
 def _all_summed_upstream(values: list[Node], a: int, grad) -> bool:
@@ -108,14 +107,14 @@ def _mask_full_items(graph: Graph, node: Node, kinds, rank) -> None:
     among partial ones on an axis are masked to rank 0, so that all of it is partial."""
     n_items = len(node.meta[PLACEMENTS])
     for a in range(rank.mesh.ndim):
-        if "P" not in {kinds.get((node, i, a)) for i in range(n_items)}:
+        if GradKind.P not in {kinds.get((node, i, a)) for i in range(n_items)}:
             continue
-        for item in [u for u in node.users if kinds.get((node, u.args[1], a)) == "R"]:
+        for item in [u for u in node.users if kinds.get((node, u.args[1], a)) == GradKind.R]:
             readers = list(item.users)
             masked = _chain(graph, item, [(C.grad_mask, a, {"coord": rank.coord[a]})])
             for u in readers:
                 u.replace_input_with(item, masked)
-            kinds[(node, item.args[1], a)] = "P"
+            kinds[(node, item.args[1], a)] = GradKind.P
 
 
 def _readers(node: Node, idx: int) -> list[Node]:
@@ -128,9 +127,9 @@ def _agree(graph: Graph, node: Node, decided: dict, rank) -> None:
     masks: dict[Node, list[int]] = {}
     for a, (kind, said) in decided.items():
         for u, c in said.items():
-            if c == "either":
+            if c is None:
                 u.update_kwarg("grad", kind)
-            elif c == "R" and kind == "P":
+            elif c == GradKind.R and kind == GradKind.P:
                 masks.setdefault(u, []).append(a)
         if node.op == "call_function" and node.target in _MAKERS and node.meta.get(AXIS) == a:
             node.update_kwarg("grad", kind)
@@ -141,7 +140,7 @@ def _agree(graph: Graph, node: Node, decided: dict, rank) -> None:
             shared[key] = _chain(graph, node, [(C.grad_mask, a, {"coord": rank.coord[a]}) for a in axes])
         u.replace_input_with(node, shared[key])
     if node.op == "placeholder":
-        _sum_gradient_at(graph, node, [a for a, (kind, _) in decided.items() if kind == "P"], rank)
+        _sum_gradient_at(graph, node, [a for a, (kind, _) in decided.items() if kind == GradKind.P], rank)
 
 
 def _sum_gradient_at(graph: Graph, node: Node, axes: list[int], rank) -> None:
@@ -149,8 +148,8 @@ def _sum_gradient_at(graph: Graph, node: Node, axes: list[int], rank) -> None:
     if not axes:
         return
     users = list(node.users)
-    last = _chain(graph, node, [(C.grad_all_reduce, a, {"n": rank.mesh.sizes[a], "axis": rank.mesh.axis_names[a],
-                                                        "group": rank.groups[a]}) for a in axes])
+    last = _chain(graph, node, [(C.grad_all_reduce, a, {"n": ax.size, "axis": ax.name, "group": ax.group})
+                                for a, ax in ((a, rank.axis(a)) for a in axes)])
     for u in users:
         u.replace_input_with(node, last)
 
@@ -167,35 +166,14 @@ def _chain(graph: Graph, node: Node, calls) -> Node:
     return value
 
 
-def _contribution(reader: Node, a: int, kinds) -> str:
-    """What `reader` hands back for a Replicate input on axis a: "R", "P" or "either"."""
+def _contribution(reader: Node, a: int, kinds) -> GradKind | None:
+    """What `reader` hands back for a Replicate input on axis a: R, P or None (either is fine)."""
     if reader.op == "output":
-        return "R"
+        return GradKind.R
     if reader.target in _EITHER and reader.meta.get(AXIS) == a:
-        return "either"
+        return None
     outs = reader.meta.get(PLACEMENTS, ())
     if any(pl is not None and not isinstance(pl[a], Replicate) for pl in outs):
-        return "P"
-    own = [kinds.get((reader, i, a), "R") for i in range(len(outs))]
-    return "P" if "P" in own else "R"
-
-
-def needs_grad(gm: GraphModule, sources: set[str], value_key: str = GLOBAL) -> dict[Node, bool]:
-    """Nodes whose outputs receive a gradient: of a differentiable dtype and downstream of a source.
-
-    `value_key`: the meta entry holding each node's value (the captured graph's is "val").
-    """
-    out: dict[Node, bool] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            out[node] = node.name in sources
-            continue
-        vals = node.meta.get(value_key)
-        vals = vals if isinstance(vals, (tuple, list)) else [vals]
-        out[node] = any(value_carries_grad(v) for v in vals) and any(out.get(i, False) for i in node.all_input_nodes)
-    return out
-
-
-def grads_by_name(gm: GraphModule, sources: set[str]) -> dict[str, bool]:
-    """needs_grad of a captured (not yet rewritten) graph, by node name."""
-    return {node.name: g for node, g in needs_grad(gm, sources, "val").items()}
+        return GradKind.P
+    own = [kinds.get((reader, i, a), GradKind.R) for i in range(len(outs))]
+    return GradKind.P if GradKind.P in own else GradKind.R

@@ -1,0 +1,43 @@
+"""The checks a process group allows before a plan runs, and the device a mesh runs on."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import MeshSpec
+from ..plan import Plan
+
+
+def device_of(mesh) -> str:
+    """The device spec name of a DeviceMesh's accelerators ("cpu" for a CPU mesh)."""
+    kind = getattr(mesh, "device_type", "cpu")
+    if kind == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        return next((d for d in ("h200", "h100", "a100") if d in name), "h100")
+    return "cpu"
+
+
+def check_group(device_mesh, mesh: MeshSpec) -> None:
+    """A process group must be up and the DeviceMesh must cover every rank of it."""
+    if not dist.is_initialized():
+        raise ValueError("parallelize needs a process group: call torch.distributed.init_process_group "
+                         "(or run under torchrun) and pass a DeviceMesh; autojigsaw.plan needs none")
+    if not hasattr(device_mesh, "get_group"):
+        raise ValueError("parallelize needs a torch DeviceMesh (init_device_mesh(..., mesh_dim_names=...)); "
+                         "a mapping of axis sizes only works with autojigsaw.plan")
+    if mesh.world_size != dist.get_world_size():
+        raise ValueError(f"the mesh {mesh.describe()} has {mesh.world_size} ranks but the process group "
+                         f"has {dist.get_world_size()}: make the mesh cover every rank")
+
+
+def check_plan(plan: Plan, mesh: MeshSpec) -> None:
+    """The plan must be for this mesh, and every rank must run the same plan, or collectives would not match up."""
+    if plan.mesh != mesh:
+        raise ValueError(f"the plan was made for mesh {plan.mesh.describe()} but the module "
+                         f"runs on {mesh.describe()}: plan again for this mesh")
+    prints = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, plan.fingerprint())
+    if len(set(prints)) != 1:
+        raise ValueError(f"ranks planned differently (plan fingerprints {sorted(set(prints))}): give every "
+                         "rank the same model, inputs and options, or plan once and pass plan=")

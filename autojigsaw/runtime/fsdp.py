@@ -1,0 +1,23 @@
+"""FSDP2 on the data axis: `parallelize` shards the weights over it when the regime says "fsdp"."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+
+from ..mesh import MeshSpec
+from ..training import Regime, data_axis
+
+
+def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, mp_policy=None) -> None:
+    """`fully_shard` over the data axis with the run's mixed precision (nothing without FSDP or a data axis).
+
+    The graph sums the weights' gradients over the data axis itself, so FSDP's reduce-scatter
+    averages equal sums: the gradients are the single-device ones.
+    """
+    axis = data_axis(MeshSpec.of(device_mesh))
+    if not regime.fsdp or axis is None or device_mesh.mesh.shape[axis] == 1:
+        return
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    fully_shard(module, mesh=device_mesh, dp_mesh_dims=DataParallelMeshDims(shard=device_mesh.mesh_dim_names[axis]),
+                **kwargs)

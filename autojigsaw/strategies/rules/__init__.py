@@ -1,0 +1,9 @@
+"""autojigsaw's own sharding rules, for the ops whose best layouts DTensor's rules miss.
+
+Importing this package registers every rule; `strategies_for` looks one up by op.
+"""
+
+from . import attention, batched_matmul, conv, cross_entropy, elementwise, matmul, norm, softmax  # noqa: F401  (register the rules)
+from .base import strategies_for
+
+__all__ = ["strategies_for"]

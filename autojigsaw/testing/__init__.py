@@ -1,0 +1,1 @@
+"""Test harnesses: the local rank pool that tests, the demo and the benchmarks run on."""
