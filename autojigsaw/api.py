@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import Replicate
 
 from .capture import Captured, capture
 from .cost_model.devices import DeviceSpec, device_spec
@@ -32,7 +33,7 @@ from .planner.recompute import solve_with_recompute, with_layers_recomputed
 from .rewrite.recompute import checkpoint_layers
 from .rewrite.rewrite import rewrite
 from .rewrite.traffic import traffic_by_origin
-from .runtime.checks import check_group, check_plan, device_of
+from .runtime.checks import check_group, check_plan, default_budget, device_of
 from .runtime.fsdp import shard_over_data_axis
 from .runtime.materialize import materialize_model
 from .runtime.module import ParallelModule, Program
@@ -50,7 +51,7 @@ class Options:
     memory_budget: int | None = None  # bytes per rank; None: 90 % of the device's memory
     optimizer: str | Optimizer = "adam"
     input_placements: Sequence[Placements | None] | None = None  # None: autojigsaw chooses
-    output_placements: Sequence[Placements] | None = None
+    output_placements: Sequence[Placements | None] | None = None  # None entries: autojigsaw chooses
     tie_layers: bool | None = None  # one strategy per node of repeated layers; None: for big problems
     regime: Regime = Regime()  # mixed precision, recomputation, data parallelism
 
@@ -121,10 +122,13 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     if plan is not None and data_parallel is None:
         data_parallel = plan.data_parallel
     regime = regime_of(spec, device, mp_policy, activation_checkpointing, data_parallel)
+    if memory_budget is None:
+        memory_budget = default_budget(mesh)
     options = Options(device, training, memory_budget, input_placements=input_placements,
                       output_placements=output_placements, regime=regime)
     build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile)
-    module = ParallelModule(model, mesh, build, plan=plan, local_inputs=input_placements is not None)
+    module = ParallelModule(model, mesh, build, plan=plan, local_inputs=input_placements is not None,
+                            local_outputs=output_placements is not None)
     if example_inputs is not None:
         module.build(tuple(example_inputs), dict(example_kwargs or {}))
         shard_over_data_axis(module, mesh, regime, mp_policy)
@@ -135,15 +139,22 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
 
 
 def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
-             options: Options, compile: bool) -> Program:
-    """One rank's program: capture, plan (unless given), materialize its shards, rewrite, compile."""
+             options: Options, compile: bool, pinned: dict[str, Placements] | None = None) -> Program:
+    """One rank's program: capture, plan (unless given), materialize its shards, rewrite, compile.
+
+    `pinned` (parameter FQN -> placements): the model is sharded already and is planned again for
+    new input shapes with its parameters where they are, so the optimizer's DTensors stay valid.
+    """
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
     captured = capture_for(model, args, kwargs, options.regime)
-    plan = plan if plan is not None else plan_captured(captured, mesh, options)
+    if plan is None:
+        pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
+        plan = plan_captured(captured, mesh, options, pins)
     check_plan(plan, mesh)
     rank = RankView.of(device_mesh, mesh)
-    materialize_model(model, plan.param_placements, device_mesh, rank.coord)
+    if pinned is None:
+        materialize_model(model, plan.param_placements, device_mesh, rank.coord)
     # Inputs that do not require grad skip these gradient collectives at run time.
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
@@ -152,13 +163,18 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
                    options.regime.precision)
 
 
-def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options()) -> Plan:
-    """The planning stages on an already captured graph: strategies, costs, solve, Plan."""
+def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options(),
+                  pinned: dict[str, Placements] | None = None) -> Plan:
+    """The planning stages on an already captured graph: strategies, costs, solve, Plan.
+
+    `pinned`: placeholder name -> placements every strategy must keep (parameters already sharded).
+    """
     spec = device_spec(options.device)
     budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * spec.memory_bytes)
     t0 = time.perf_counter()
-    annotate(captured.gm, mesh, data_pins(captured, mesh, _fixed_inputs(captured, mesh, options.input_placements)),
-             _output_placements(captured, mesh, options.output_placements))
+    fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}
+    annotate(captured.gm, mesh, data_pins(captured, mesh, fixed),
+             _output_placements(captured, mesh, options.output_placements, options.training))
     t1 = time.perf_counter()
     ctx = CostContext(mesh, spec, options.training, optimizer_spec(options.optimizer), options.regime)
     problem = _problem(captured, ctx, options.tie_layers)
@@ -249,15 +265,20 @@ def _fixed_inputs(captured: Captured, mesh: MeshSpec, placements) -> dict[str, P
     return fixed
 
 
-def _output_placements(captured: Captured, mesh: MeshSpec, placements):
-    if placements is None:
-        return None
+def _output_placements(captured: Captured, mesh: MeshSpec, placements, training: bool = True):
+    """The placements the outputs must come back in. By default whole, except beside a returned loss
+    (a training step reads the loss alone): the others (logits) stay as planned, returned as DTensors."""
     out = next(n for n in captured.gm.graph.nodes if n.op == "output")
     vals = [a.meta["val"] for a in out.args[0] if isinstance(getattr(a, "meta", {}).get("val"), torch.Tensor)]
+    if placements is None:
+        if not (training and any(v.ndim == 0 and v.is_floating_point() for v in vals)):
+            return None
+        return [tuple(Replicate() for _ in mesh.sizes) if v.ndim == 0 else None for v in vals]
     if len(placements) != len(vals):
         raise ValueError(f"output_placements has {len(placements)} entries but the model returns "
                          f"{len(vals)} tensors; give one per output tensor")
-    return [_checked(pl, mesh, v.shape, f"output {i}") for i, (pl, v) in enumerate(zip(placements, vals))]
+    return [None if pl is None else _checked(pl, mesh, v.shape, f"output {i}")
+            for i, (pl, v) in enumerate(zip(placements, vals))]
 
 
 def _checked(pl: Placements, mesh: MeshSpec, shape, what: str) -> Placements:

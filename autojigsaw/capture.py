@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
@@ -99,11 +100,14 @@ def _stand_in_state(model: torch.nn.Module, args: tuple, kwargs: dict, param_dty
     """Trace with fake stand-ins for meta state, and for every floating parameter in `param_dtype`.
 
     Meta state and real inputs do not mix in one trace; fake tensors on the inputs' device
-    stand in for the meta ones (no memory), and the originals are put back afterwards. Under
+    stand in for the meta ones (no memory), and for sharded ones (DTensors, as whole tensors),
+    and the originals are put back afterwards. Under
     mixed precision the floating inputs are cast too, as FSDP2 casts forward inputs.
     """
     def replaced(t, is_param: bool) -> bool:
-        return t.is_meta or (is_param and param_dtype is not None and t.is_floating_point())
+        # DTensors: a model captured again after its parameters were sharded (a new input shape)
+        return (t.is_meta or isinstance(t, DTensor)
+                or (is_param and param_dtype is not None and t.is_floating_point()))
 
     state = [(table, name, t) for mod in model.modules()
              for table, is_param in ((mod._parameters, True), (mod._buffers, False))

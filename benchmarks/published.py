@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Replicate
 
 import autojigsaw
 from autojigsaw.cost_model.devices import GiB, device_spec
@@ -86,6 +87,9 @@ def plan_options(run: PublishedRun) -> tuple[dict, torch.dtype | None, list[str]
         options["activation_checkpointing"] = run.recompute
     elif run.recompute != "none":
         notes.append(f"no activation_checkpointing: {run.recompute} recomputation not applied")
+    # The loss comes back whole; the logits stay wherever the planner puts them (a training loop
+    # reads the loss only), as in the published runs, whose models never return them.
+    options["output_placements"] = [tuple(Replicate() for _ in run.mesh), None]
     if "data_parallel" in _PARAMS:
         if "data" in run.mesh:
             options["data_parallel"] = run.data_parallel

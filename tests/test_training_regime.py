@@ -169,7 +169,8 @@ def _bf16_run(plan_json: str) -> dict:
 
 def test_bf16_mixed_precision_matches_the_single_device_with_the_same_casts(ranks2):
     model, inputs = build("mixer", dtype=torch.float32)
-    plan = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", mp_policy=BF16)
+    whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu", mp_policy=BF16).memory_per_rank
+    plan = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", mp_policy=BF16, memory_budget=int(0.55 * whole))
     assert any(n.kind == "matmul" and any(not p.is_replicate() for p in n.inputs[1]) for n in plan.nodes)
     for r in ranks2.run(_bf16_run, plan.to_json()):
         assert r["masters"] == {torch.float32} and r["grads"] == {torch.float32}, r

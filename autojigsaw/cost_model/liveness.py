@@ -282,6 +282,8 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             if grad.get(src.name, False) and (node.op == "output" or grad.get(node.name, False)):
                 last_grad_read[r] = max(last_grad_read.get(r, -1), bwd(k))
 
+    loss_returned = any(n.op == "output" and any(output_values(src)[o].ndim == 0 for src, o in tensor_inputs(n))
+                        for n in nodes)
     savers: dict[int, list[Member]] = {}
     for k, node in enumerate(nodes):
         saved = _saved(node, training and grad.get(node.name, False))
@@ -296,7 +298,9 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
                 # kernels that price themselves say what they save (kernel_saved), instead of this
                 kept = np.where(np.isnan(kernel_saved[k]), in_b, 0.0) if k in kernel_saved else in_b
                 savers.setdefault(r, []).append(Member(k, model.vector(kept), numel[r] / max(math.prod(val.shape), 1)))
-            if is_output and training:  # the loss: the output's gradient and a working copy
+            if is_output and training and (val.ndim == 0 or not loss_returned):
+                # the loss: the output's gradient and a working copy (a model that returns its loss
+                # gets gradients from it alone, not from the logits it returns beside it)
                 model.lin.append(LinearItem(k, model.vector(in_b), bwd(k), bwd(k), _LOSS_COPIES))
             if is_output or (node.op == "call_function" and is_view(node)):
                 continue

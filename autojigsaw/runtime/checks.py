@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +18,15 @@ def device_of(mesh) -> str:
         name = torch.cuda.get_device_name().lower()
         return next((d for d in ("h200", "h100", "a100") if d in name), "h100")
     return "cpu"
+
+
+def default_budget(device_mesh) -> int:
+    """Bytes per rank to plan under when none is given: 90 % of what this rank's device has free
+    (a GPU's free memory; on CPU the host's memory shared by the ranks on this host)."""
+    if getattr(device_mesh, "device_type", "cpu") == "cuda" and torch.cuda.is_available():
+        return int(0.9 * torch.cuda.mem_get_info()[0])
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    return int(0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_ranks, 1))
 
 
 def check_group(device_mesh, mesh: MeshSpec) -> None:

@@ -14,12 +14,14 @@ optimizer's masters) and the graph gets low-precision copies of them and of the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
@@ -31,6 +33,8 @@ from ..placements import chunk_sizes, local_shape
 from ..plan import Plan
 from ..training import Precision
 from .materialize import local_view
+
+log = logging.getLogger("autojigsaw")
 
 
 @dataclass(frozen=True)
@@ -49,11 +53,13 @@ class ParallelModule(nn.Module):
     """A model sharded over a DeviceMesh by a Plan; call it like the original model.
 
     `build(model, args, kwargs)` makes the Program (autojigsaw.api's recipe), at construction or
-    at the first call; `local_inputs`: the caller passes this rank's shards of the inputs.
+    at the first call; `local_inputs`: the caller passes this rank's shards of the inputs;
+    `local_outputs`: the caller asked for output placements and gets this rank's shards (otherwise
+    an output the plan leaves sharded, such as logits beside a loss, comes back as a DTensor).
     """
 
     def __init__(self, model: nn.Module, device_mesh, build: Callable[[nn.Module, tuple, dict], Program], *,
-                 plan: Plan | None = None, local_inputs: bool = False):
+                 plan: Plan | None = None, local_inputs: bool = False, local_outputs: bool = False):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -67,22 +73,43 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self._make = build
         self._local_inputs_given = local_inputs
+        self._local_outputs = local_outputs
         self._program = None
+        self._programs: dict[tuple, Program] = {}  # one per input shape, as torch.compile caches graphs
 
     def build(self, args: tuple, kwargs: dict) -> None:
-        """Plan (unless a plan was given), shard and compile for inputs like `args`, `kwargs`."""
-        program = self._make(self._model, args, kwargs)
-        self.plan, self._captured, self._rank, self._graph = program.plan, program.captured, program.rank, program.graph
-        self.precision = program.precision
+        """Plan (unless a plan was given), shard and compile for inputs like `args`, `kwargs`.
+
+        Called again for inputs of another shape, it plans that shape with the parameters kept
+        where they are (the optimizer's DTensors stay valid) and keeps both programs.
+        """
+        key = _shape_key(args, kwargs)
+        first = not self._programs
+        if first:
+            program = self._make(self._model, args, kwargs)
+        else:
+            log.info("autojigsaw: planning again for input shapes %s (parameters stay as placed)", key[1])
+            program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements)
+        if dist.get_rank() == 0:
+            log.info(program.plan.summary_line())
+        self._programs[key] = program
+        self._use(program)
         self._parameters.update(self._model._parameters)  # the model's own, now sharded
         self._buffers.update(self._model._buffers)
+
+    def _use(self, program: Program) -> None:
+        self.plan, self._captured, self._rank, self._graph = program.plan, program.captured, program.rank, program.graph
+        self.precision = program.precision
         self._program = program.run
 
     # ------------------------------------------------------------ running
 
     def forward(self, *args, **kwargs):
-        if self._program is None:
+        key = _shape_key(args, kwargs)
+        if key not in self._programs:
             self.build(args, kwargs)
+        elif self._programs[key].run is not self._program:
+            self._use(self._programs[key])
         captured, plan, rank = self._captured, self.plan, self._rank
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:
@@ -107,7 +134,23 @@ class ParallelModule(nn.Module):
         if self.precision.output_dtype is not None:
             outs = [o.to(self.precision.output_dtype) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
                     for o in outs]
+        if not self._local_outputs:
+            outs = self._as_dtensors(list(outs))
         return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+    def _as_dtensors(self, outs: list) -> list:
+        """Outputs the plan leaves sharded, as DTensors: whole on request (`.full_tensor()`), never mistaken for whole."""
+        out_node = next(n for n in self._captured.gm.graph.nodes if n.op == "output")
+        placements = iter(self.plan.output_placements)
+        for i, arg in enumerate(out_node.args[0]):
+            val = getattr(arg, "meta", {}).get("val") if arg is not None else None
+            if not isinstance(val, torch.Tensor):
+                continue
+            pl = next(placements)
+            if pl is not None and not all(p.is_replicate() for p in pl):
+                outs[i] = DTensor.from_local(outs[i], self.device_mesh, pl, run_check=False,
+                                             shape=val.shape, stride=val.stride())
+        return outs
 
     def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A floating parameter or input in the dtype the graph computes in (mixed precision)."""
@@ -129,9 +172,15 @@ class ParallelModule(nn.Module):
                 what = "this rank's shard" if given_local else "the whole input"
                 raise ValueError(f"input {name!r} has shape {tuple(x.shape)} but the plan expects "
                                  f"{what} of shape {tuple(want)}: pass inputs shaped like the example "
-                                 "inputs, or parallelize again for the new shape")
+                                 "inputs (other shapes are planned again only for whole inputs)")
             out.append(self._compute_copy(x if given_local else _slice(x, pl, self._rank)))
         return out
+
+
+def _shape_key(args: tuple, kwargs: dict) -> tuple:
+    """The shapes and dtypes of the tensor inputs (and the structure of the call): one plan each."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    return (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat))
 
 
 def _slice(x: torch.Tensor, placements, rank: RankView) -> torch.Tensor:

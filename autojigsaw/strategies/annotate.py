@@ -94,7 +94,10 @@ def node_strategies(node: Node, mesh: MeshSpec, fixed: dict[str, Placements] | N
     if node.op == "output":
         n_out = len(tensor_inputs(node))
         wanted = tuple(outputs) if outputs is not None else (replicated(mesh.ndim),) * n_out
-        return [Strategy(wanted, ())]
+        # None: the planner chooses among what the producer can make (an output the caller keeps local)
+        choices = [[w] if w is not None else _candidates(src, i, cache)
+                   for w, (src, i) in zip(wanted, tensor_inputs(node))]
+        return [Strategy(combo, ()) for combo in itertools.product(*choices)]
     inputs = tensor_inputs(node)
     candidates = [_candidates(src, i, cache) for src, i in inputs]
     if cache is None:

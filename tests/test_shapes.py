@@ -1,0 +1,58 @@
+"""Shapes that change: another batch size or sequence length is planned again, parameters kept in place.
+
+A training loop with a ragged last batch, and evaluation at another length, must give the
+single-device numbers at every shape, with the optimizer stepping the same DTensors throughout.
+"""
+
+import copy
+import logging
+
+import torch
+
+import autojigsaw
+from autojigsaw.testing.local_ranks import get_mesh
+
+from .hf_models import hf_model
+from .side_by_side import loss_of
+
+
+def _shapes_run() -> dict:
+    ref, _ = hf_model("llama")
+    ref = ref.double()
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 128, shape, generator=gen) for shape in ((4, 16), (3, 16), (4, 24), (4, 16))]
+    mesh = get_mesh((2,), ("tensor",))
+    whole = autojigsaw.plan(ref, (batches[2],), {"tensor": 1}, device="cpu").memory_per_rank  # the longest
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), mesh, (batches[0],), compile=False,
+                                    memory_budget=int(0.6 * whole))
+    opt, ref_opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3), torch.optim.Adam(ref.parameters(), lr=1e-3)
+    params = [id(p) for p in pmodel.parameters()]
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("autojigsaw").addHandler(handler)
+    logging.getLogger("autojigsaw").setLevel(logging.INFO)
+    errors = []
+    for ids in batches:
+        out, ref_out = pmodel(ids), ref(ids)
+        loss_of(out).backward()
+        loss_of(ref_out).backward()
+        scale = max(q.grad.abs().max().item() for q in ref.parameters())
+        grad = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
+        errors.append(((out.logits - ref_out.logits).abs().max().item(), grad / scale))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    step = max((p.full_tensor() - q).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
+    return {"errors": errors, "step": step, "same_params": params == [id(p) for p in pmodel.parameters()],
+            "programs": len(pmodel._programs), "replans": sum("planning again" in r for r in records),
+            "sharded": sum(any(not pl.is_replicate() for pl in p.placements) for p in pmodel.parameters())}
+
+
+def test_a_new_batch_or_sequence_length_is_planned_again_and_matches_one_device(ranks2):
+    for r in ranks2.run(_shapes_run):
+        assert r["sharded"] > 0, r
+        assert r["programs"] == 3 and r["replans"] == 2, r  # (4, 16) is planned once and reused
+        assert r["same_params"], "the optimizer's DTensors must stay the parameters"
+        for out_err, grad_err in r["errors"]:
+            assert out_err <= 1e-6 and grad_err <= 64 * 2.0**-24, r  # Llama's RMSNorm and RoPE run in fp32
+        assert r["step"] <= 1e-6, r
