@@ -51,11 +51,13 @@ def replicated_bytes(name: str, dtype: torch.dtype = torch.float64) -> int:
     return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
 
 
-def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7, **build_kwargs) -> str:
+def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7, *, data_parallel: str | None = None,
+              **build_kwargs) -> str:
     """The plan for `name` on `mesh` under `fraction` of the replicated bytes: sharded weights."""
     model, inputs = build(name, **build_kwargs)
     budget = int(fraction * replicated_bytes(name, build_kwargs.get("dtype", torch.float64)))
-    return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget).to_json()
+    return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget,
+                           data_parallel=data_parallel).to_json()
 
 
 def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *, steps: int = 3,

@@ -32,7 +32,7 @@ def test_a_batch_smaller_than_the_data_axis_is_refused():
 @pytest.mark.parametrize("name,mesh,fsdp", [("mixer", (2, 1, 2), False), ("mixer", (2, 2, 1), True),
                                             ("gpt2", (2, 1, 2), True)])
 def test_3d_mesh_trains_like_single_device(ranks4, name, mesh, fsdp):
-    plan = plan_json(name, dict(zip(AXES, mesh)), 0.5)
+    plan = plan_json(name, dict(zip(AXES, mesh)), 0.5 if not fsdp else 0.3, data_parallel="fsdp" if fsdp else "ddp")
     assert _data_parallel(Plan.from_json(plan))
     for r in ranks4.run(train, name, mesh, AXES, plan, steps=3, fsdp=fsdp):
         if fsdp:  # FSDP2 sharded every weight over the data axis
