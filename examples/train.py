@@ -30,6 +30,7 @@ import transformers
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autojigsaw
 
@@ -57,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-budget", type=float, default=None,
                    help="MiB per rank the plan may use (default: the device's memory)")
     p.add_argument("--compile", action="store_true", help="torch.compile the sharded graph")
+    p.add_argument("--mp", choices=("bf16",), default=None,
+                   help="mixed precision: bf16 compute, fp32 master weights and gradient sums")
+    p.add_argument("--recompute", choices=("auto", "none", "selective", "full"), default="auto",
+                   help="activation recomputation ('auto': the planner chooses per layer under the budget)")
     p.add_argument("--data", type=Path, help="token ids: a .npy of integers, or a raw .bin read as "
                    "--data-dtype (synthetic tokens without it)")
     p.add_argument("--data-dtype", default="uint16", choices=TOKEN_DTYPES, help="dtype of a raw .bin file")
@@ -224,8 +229,10 @@ def train(args, sizes, names, tokens) -> None:
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
     ids = batch_at(0, args, tokens, device)
     budget = None if args.memory_budget is None else int(args.memory_budget * 2**20)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp else None
     pmodel = autojigsaw.parallelize(build_model(args, device), mesh, (ids,), example_kwargs={"labels": ids},
-                                    compile=args.compile, memory_budget=budget)
+                                    compile=args.compile, memory_budget=budget, mp_policy=mp,
+                                    activation_checkpointing=args.recompute)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
     start = load(args.checkpoint_dir, pmodel, opt) if args.resume else 0
     if start >= args.steps:

@@ -67,6 +67,31 @@ def record(kind: str, axis: str, tensor: torch.Tensor, n: int) -> None:
 # ---------------------------------------------------------------- raw (non-autograd) ops
 
 
+class CollectiveError(RuntimeError):
+    """A collective that failed (a peer rank died, stalled past the timeout, or disagreed).
+
+    Says which collective, on which mesh axis and process group; the backend's error is its
+    cause. ParallelModule adds the graph node it served.
+    """
+
+    def __init__(self, message: str, kind: str = "", axis: str = ""):
+        super().__init__(message)
+        self.kind, self.axis = kind, axis
+
+
+def _waited(kind: str, axis: str, n: int, group, start):
+    """The result of `start()`, a functional collective, waited for; a failure named (eager only)."""
+    if torch.compiler.is_compiling():
+        return c10d.wait_tensor(start())
+    try:
+        return c10d.wait_tensor(start())
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"{kind} over mesh axis {axis!r} ({n} ranks, process group {group}) failed: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. A peer rank died, stalled past the "
+            "process group's timeout, or runs another plan; see the other ranks' errors", kind, axis) from e
+
+
 def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     extra = size - x.shape[dim]
     if extra == 0:
@@ -80,7 +105,7 @@ def raw_all_gather(x, dim, sizes, axis, group):
     chunk = max(sizes)
     x = pad_dim(x, dim, chunk).movedim(dim, 0).contiguous()
     record("all_gather", axis, x, n)
-    y = c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
+    y = _waited("all_gather", axis, n, group, lambda: c10d.all_gather_into_tensor(x, n, group))
     y = y.movedim(0, dim)  # all chunks, each padded to `chunk`
     if all(s == chunk for s in sizes):
         return y.contiguous()
@@ -96,7 +121,7 @@ def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
         x = torch.cat([pad_dim(p, dim, chunk) for p in pieces], dim)
     x = x.movedim(dim, 0).contiguous()
     record("reduce_scatter", axis, x, n)
-    y = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, _wire_op(op), n, group))
+    y = _waited("reduce_scatter", axis, n, group, lambda: c10d.reduce_scatter_tensor(x, _wire_op(op), n, group))
     if op == "avg":
         y = y / n
     return y.movedim(0, dim).narrow(dim, 0, sizes[coord]).to(dtype).contiguous()
@@ -105,7 +130,7 @@ def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
 def raw_all_reduce(x, op, n, axis, group):
     dtype, x = x.dtype, x.to(reduce_dtype(x.dtype, op)).contiguous()
     record("all_reduce", axis, x, n)
-    y = c10d.wait_tensor(c10d.all_reduce(x, _wire_op(op), group))
+    y = _waited("all_reduce", axis, n, group, lambda: c10d.all_reduce(x, _wire_op(op), group))
     return (y / n if op == "avg" else y).to(dtype)
 
 
@@ -119,7 +144,7 @@ def _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, grou
     ]
     buf = torch.stack(send).contiguous()
     record("all_to_all", axis, buf, n)
-    recv = c10d.wait_tensor(c10d.all_to_all_single(buf, [1] * n, [1] * n, group))
+    recv = _waited("all_to_all", axis, n, group, lambda: c10d.all_to_all_single(buf, [1] * n, [1] * n, group))
     pieces = [
         recv[i].narrow(src_dim, 0, src_sizes[i]).narrow(dst_dim, 0, dst_sizes[coord])
         for i in range(n)

@@ -15,6 +15,7 @@ optimizer's masters) and the graph gets low-precision copies of them and of the 
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,8 +27,8 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from ..capture import Captured
-from ..ir import GradKind
-from ..kernels.collectives import shard_slice
+from ..ir import ORIGIN, GradKind
+from ..kernels.collectives import CollectiveError, shard_slice
 from ..mesh import MeshSpec, RankView
 from ..placements import chunk_sizes, local_shape
 from ..plan import Plan
@@ -83,7 +84,7 @@ class ParallelModule(nn.Module):
         Called again for inputs of another shape, it plans that shape with the parameters kept
         where they are (the optimizer's DTensors stay valid) and keeps both programs.
         """
-        key = _shape_key(args, kwargs)
+        key = self._key(args, kwargs)
         first = not self._programs
         if first:
             program = self._make(self._model, args, kwargs)
@@ -104,8 +105,13 @@ class ParallelModule(nn.Module):
 
     # ------------------------------------------------------------ running
 
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
+        """The program cache key: input shapes, or one program when the caller passes local shards
+        (their global shape is the plan's, and other shapes are refused with a clear error)."""
+        return ("local shards",) if self._local_inputs_given else _shape_key(args, kwargs)
+
     def forward(self, *args, **kwargs):
-        key = _shape_key(args, kwargs)
+        key = self._key(args, kwargs)
         if key not in self._programs:
             self.build(args, kwargs)
         elif self._programs[key].run is not self._program:
@@ -130,7 +136,10 @@ class ParallelModule(nn.Module):
                 feeds.append(captured.constants[node.name])
             else:
                 feeds.append(next(inputs))
-        outs = self._program(*feeds)
+        try:
+            outs = self._program(*feeds)
+        except CollectiveError as e:
+            raise CollectiveError(f"{e} (graph node {_failing_node(e, self._graph)!r}, forward)", e.kind, e.axis) from e
         if self.precision.output_dtype is not None:
             outs = [o.to(self.precision.output_dtype) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
                     for o in outs]
@@ -175,6 +184,19 @@ class ParallelModule(nn.Module):
                                  "inputs (other shapes are planned again only for whole inputs)")
             out.append(self._compute_copy(x if given_local else _slice(x, pl, self._rank)))
         return out
+
+
+def _failing_node(error: BaseException, gm: GraphModule) -> str:
+    """The rewritten graph's node whose line of `gm.code` was running when `error` was raised,
+    with the model node it serves ("all_gather_3 for linear_7"); "?" outside the graph's code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        if frame.filename.startswith("<eval_with_key") and frame.lineno and frame.line:
+            name = frame.line.split("=")[0].strip()
+            node = next((n for n in gm.graph.nodes if n.name == name), None)
+            if node is not None:
+                return f"{name} for {node.meta.get(ORIGIN, name)}"
+    return "?"
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:
