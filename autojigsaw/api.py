@@ -8,6 +8,7 @@ ParallelModule, which only holds and runs it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -33,7 +34,7 @@ from .planner.recompute import solve_with_recompute, with_layers_recomputed
 from .rewrite.recompute import checkpoint_layers
 from .rewrite.rewrite import rewrite
 from .rewrite.traffic import traffic_by_origin
-from .runtime.checks import check_group, check_plan, default_budget, device_of
+from .runtime.checks import check_agreement, check_group, check_plan, default_budget, device_of
 from .runtime.fsdp import shard_over_data_axis
 from .runtime.materialize import materialize_model
 from .runtime.module import ParallelModule, Program
@@ -148,10 +149,18 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
     captured = capture_for(model, args, kwargs, options.regime)
-    if plan is None:
-        pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
-        plan = plan_captured(captured, mesh, options, pins)
-    check_plan(plan, mesh)
+    facts, failed = _facts(captured), None
+    try:
+        if plan is None:
+            pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
+            plan = plan_captured(captured, mesh, options, pins)
+        check_plan(plan, mesh)
+        facts["plan"] = plan.fingerprint()
+    except ValueError as e:  # told to the other ranks first, so that none waits for this one
+        facts["plan"], failed = f"none, planning failed: {str(e).splitlines()[0]}", e
+    check_agreement(facts)
+    if failed is not None:
+        raise failed
     rank = RankView.of(device_mesh, mesh)
     if pinned is None:
         materialize_model(model, plan.param_placements, device_mesh, rank.coord)
@@ -161,6 +170,15 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     gm = checkpoint_layers(gm, captured, plan)
     return Program(captured, plan, rank, gm, torch.compile(gm, fullgraph=True) if compile else gm,
                    options.regime.precision)
+
+
+def _facts(captured: Captured) -> dict[str, str]:
+    """What every rank must agree on before the step: the model's parameters and the input shapes."""
+    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    model = hashlib.sha256(repr([(fqn, tuple(values[ph].shape), str(values[ph].dtype))
+                                 for ph, fqn in sorted(captured.params.items(), key=lambda kv: kv[1])]).encode())
+    inputs = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in captured.input_values]
+    return {"model": model.hexdigest()[:16], "inputs": repr(inputs)}
 
 
 def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from importlib.metadata import version
 
 import torch
 import torch.distributed as dist
@@ -43,12 +44,29 @@ def check_group(device_mesh, mesh: MeshSpec) -> None:
 
 
 def check_plan(plan: Plan, mesh: MeshSpec) -> None:
-    """The plan must be for this mesh, and every rank must run the same plan, or collectives would not match up."""
+    """The plan must be for this mesh."""
     if plan.mesh != mesh:
         raise ValueError(f"the plan was made for mesh {plan.mesh.describe()} but the module "
                          f"runs on {mesh.describe()}: plan again for this mesh")
-    prints = [None] * dist.get_world_size()
-    dist.all_gather_object(prints, plan.fingerprint())
-    if len(set(prints)) != 1:
-        raise ValueError(f"ranks planned differently (plan fingerprints {sorted(set(prints))}): give every "
-                         "rank the same model, inputs and options, or plan once and pass plan=")
+
+
+def check_agreement(facts: dict[str, str]) -> None:
+    """Every rank must run the same versions, model, input shapes and plan, or collectives would not
+    match up: one exchange of small facts, before any collective of the step, and an error naming
+    what differs and on which ranks (a rank whose planning failed says so in its "plan")."""
+    mine = {"versions": f"torch {torch.__version__}, autojigsaw {_VERSION}", **facts}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for key in mine:
+        by_value: dict[str, list[int]] = {}
+        for rank, theirs in enumerate(gathered):
+            by_value.setdefault(str(theirs.get(key)), []).append(rank)
+        if len(by_value) > 1:
+            seen = "; ".join(f"ranks {ranks}: {value[:300]}" for value, ranks in by_value.items())
+            raise ValueError(f"ranks disagree on the {key} ({seen}): give every rank the same "
+                             f"{_FIX.get(key, key)}, or plan once and pass plan=")
+
+
+_FIX = {"versions": "installation (torch and autojigsaw versions)", "model": "model (parameter names, shapes "
+        "and dtypes)", "inputs": "input shapes and dtypes", "plan": "model, inputs and options"}
+_VERSION = version("autojigsaw")
