@@ -148,8 +148,12 @@ class ParallelModule(nn.Module):
         return pytree.tree_unflatten(list(outs), captured.out_spec)
 
     def _as_dtensors(self, outs: list) -> list:
-        """Outputs the plan leaves sharded, as DTensors: whole on request (`.full_tensor()`), never mistaken for whole."""
+        """Beside a returned loss, the outputs the plan leaves sharded (logits), as DTensors: whole on
+        request (`.full_tensor()`), never mistaken for whole. Other plans' outputs are as asked."""
         out_node = next(n for n in self._captured.gm.graph.nodes if n.op == "output")
+        vals = [getattr(a, "meta", {}).get("val") for a in out_node.args[0]]
+        if not any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in vals):
+            return outs
         placements = iter(self.plan.output_placements)
         for i, arg in enumerate(out_node.args[0]):
             val = getattr(arg, "meta", {}).get("val") if arg is not None else None
