@@ -114,9 +114,18 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
                 data_parallel: str | None = None) -> ParallelModule:
     """Shard `model` over `mesh` (a named DeviceMesh) by a plan; returns the module to train.
 
-    With example_inputs=None the model is planned at its first call, like torch.compile.
-    Options as for `autojigsaw.plan`; `plan=` applies a given Plan (its recomputation and
-    data-parallel mode included); `input_placements` means the caller passes this rank's shards.
+    With example_inputs=None the model is planned at its first call, like torch.compile; a call
+    with other input shapes is planned again with the parameters kept in place. Options as for
+    `autojigsaw.plan`; `memory_budget` (bytes per rank) defaults to 90 % of this rank's free
+    device memory. `plan=` applies a given Plan (its recomputation and data-parallel mode
+    included). `input_placements`: one entry per input, a tuple of DTensor placements, one per
+    mesh axis (e.g. `[(Shard(2), Shard(2))]`), or None to let autojigsaw choose; given, the
+    caller passes this rank's shards. Parameters of the result are DTensors.
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("domain", "tensor"))
+        pmodel = autojigsaw.parallelize(model, mesh, (x,))
+        opt = torch.optim.AdamW(pmodel.parameters())
+        pmodel(x).square().mean().backward(); opt.step()
     """
     device = device or device_of(mesh)
     spec = MeshSpec.of(mesh)
