@@ -39,8 +39,8 @@ def clear_error(message: str, spec: ModelSpec, mesh: dict[str, int]) -> bool:
     model, _ = build(spec)
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     what = any(n in message for n in names) or re.search(r"%\w+|aten\.\w+|node", message)
-    where = any(f"'{axis}'" in message for axis in mesh) or re.search(r"\b(try|relax|use|pass|raise)\b", message,
-                                                                     re.IGNORECASE)
+    axis = any(f"'{a}'" in message or f"{a}=" in message for a in mesh)
+    where = axis or re.search(r"\b(try|relax|use|pass|raise)\b", message, re.IGNORECASE)
     return bool(what and where)
 
 

@@ -70,7 +70,15 @@ class GroupLinear:
     groups: int  # divides dim
 
 
-Block = Attn | MLP | TokenMix | SoftmaxGate | GroupLinear
+@dataclass(frozen=True)
+class SeqConv:
+    """A conv1d along the sequence (ConvNeXt, Mamba): transpose, conv, SiLU, back, residual."""
+
+    kernel: int  # odd: "same" padding
+    depthwise: bool
+
+
+Block = Attn | MLP | TokenMix | SoftmaxGate | GroupLinear | SeqConv
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,8 @@ class ModelSpec:
     head: str  # "linear" | "tied" (tokens only) | "none"
     out_dim: int
     seed: int
+    positions: bool = False  # a learned position embedding indexed by arange
+    loss: bool = False  # the model returns cross_entropy(logits, tokens shifted by one) (tokens, linear/tied head)
 
     @property
     def unit(self) -> float:
@@ -203,6 +213,15 @@ class GroupLinearBlock(nn.Module):
         return x + self.fc(y).permute(0, 2, 1, 3).reshape(b, t, d)
 
 
+class SeqConvBlock(nn.Module):
+    def __init__(self, spec: SeqConv, dim: int):
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, spec.kernel, padding=spec.kernel // 2, groups=dim if spec.depthwise else 1)
+
+    def forward(self, x, mask=None):
+        return x + F.silu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+
+
 def _block(spec: Block, dim: int, seq: int, gen: torch.Generator) -> nn.Module:
     if isinstance(spec, Attn):
         return AttnBlock(spec, dim, seq, gen)
@@ -212,6 +231,8 @@ def _block(spec: Block, dim: int, seq: int, gen: torch.Generator) -> nn.Module:
         return TokenMixBlock(spec, dim, seq)
     if isinstance(spec, SoftmaxGate):
         return SoftmaxGateBlock(spec, dim)
+    if isinstance(spec, SeqConv):
+        return SeqConvBlock(spec, dim)
     return GroupLinearBlock(spec, dim)
 
 
@@ -227,6 +248,8 @@ class FuzzModel(nn.Module):
             self.embed = nn.Linear(spec.in_dim, spec.dim)
         else:
             self.embed = nn.Conv2d(spec.in_dim, spec.dim, kernel_size=2, stride=2)
+        if spec.positions:
+            self.pos = nn.Embedding(spec.seq, spec.dim)
         self.blocks = nn.ModuleList(_block(b, spec.dim, spec.seq, gen) for b in spec.blocks)
         self.norm = _norm(spec.final_norm, spec.dim)
         if spec.head == "linear":
@@ -239,9 +262,14 @@ class FuzzModel(nn.Module):
         h = self.embed(x)
         if self.s.stem == "patches":
             h = h.flatten(2).transpose(1, 2)
+        if self.s.positions:
+            h = h + self.pos(torch.arange(h.shape[1], device=h.device))
         for block in self.blocks:
             h = block(h, mask)
         h = self.norm(h)
+        if self.s.loss:
+            logits = self.head(h)[:, :-1]
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1) % logits.shape[-1])
         return self.head(h) if self.s.head != "none" else h
 
 
@@ -298,6 +326,7 @@ def blocks(dim: int) -> st.SearchStrategy:
                   bias=st.booleans()),
         st.builds(TokenMix, hidden=ODD),
         st.builds(SoftmaxGate, temperature=st.sampled_from([0.5, 1.0, 2.0])),
+        st.builds(SeqConv, kernel=st.sampled_from([1, 3, 5]), depthwise=st.booleans()),
     ] + ([st.builds(GroupLinear, groups=st.sampled_from(groups))] if groups else [])
     return st.one_of(*options)
 
@@ -313,4 +342,5 @@ def model_specs(draw, max_blocks: int = 3) -> ModelSpec:
         in_dim=draw(st.sampled_from([3, 5, 11, 17])), blocks=tuple(draw(st.lists(blocks(dim), min_size=1,
                                                                                    max_size=max_blocks))),
         final_norm=draw(NORMS), head=head, out_dim=draw(st.sampled_from([3, 7, 10])),
-        seed=draw(st.integers(0, 2**16)))
+        seed=draw(st.integers(0, 2**16)), positions=draw(st.booleans()),
+        loss=stem == "tokens" and head != "none" and draw(st.booleans()))

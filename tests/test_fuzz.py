@@ -34,27 +34,27 @@ PROFILE = os.environ.get("AUTOJIGSAW_FUZZ", "ci")
 OUTCOMES: dict[str, int] = {}
 
 
-def check(spec, mesh, fraction, pool) -> str:
-    """Plan here, run on the ranks; return the outcome ("matched", "refused") or fail."""
+def check(spec, mesh, fraction, pool) -> tuple[str, str]:
+    """Plan here, run on the ranks; ("matched", "") or ("refused", the message), or fail."""
     plan, message = plan_or_error(spec, mesh, fraction)
     if plan is not None:
         results = pool.run(compare_all, [(spec, plan)], tuple(mesh.values()), tuple(mesh), timeout=300)
         message = results[0][0].get("error")
     if message is not None:
         assert clear_error(message, spec, mesh), f"unclear ValueError on {mesh}: {message}\n{spec}"
-        return "refused"
+        return "refused", message
     for rank, (r,) in enumerate(results):
         wrong = {k: v for k, v in r["errors"].items() if not v <= ROUNDOFF_UNITS}
         assert not wrong, f"rank {rank} on {mesh}, budget {fraction:.2f}: {wrong}\n{spec}"
-    return "matched"
+    return "matched", ""
 
 
 @settings(settings.get_profile(PROFILE))
 @given(spec=model_specs(), mesh=st.sampled_from(MESHES), fraction=st.floats(0.4, 1.0))
 def test_random_model_matches_single_device_or_refuses_clearly(ranks2, ranks4, spec, mesh, fraction):
-    outcome = check(spec, mesh, fraction, ranks4 if len(mesh) == 2 or mesh.get("tensor") == 4 else ranks2)
+    outcome, message = check(spec, mesh, fraction, ranks4 if len(mesh) == 2 or mesh.get("tensor") == 4 else ranks2)
     OUTCOMES[outcome] = OUTCOMES.get(outcome, 0) + 1
-    print(f"fuzz {outcome} {mesh} {fraction:.2f} {OUTCOMES}", flush=True)
+    print(f"fuzz {outcome} {mesh} {fraction:.2f} {OUTCOMES} {message[:120]}", flush=True)
 
 
 RICH = ModelSpec(stem="tokens", batch=2, seq=7, dim=13, in_dim=17, final_norm="rms", head="tied", out_dim=3, seed=5,
