@@ -12,6 +12,7 @@ import re
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 import autojigsaw
 from autojigsaw import Plan
@@ -55,7 +56,9 @@ def compare(spec: ModelSpec, plan: str, mesh_shape: tuple, axes: tuple) -> dict:
         return {"error": str(e)}
     out, ref_out = pmodel(*inputs), ref(*inputs)
     u = spec.unit
-    errors = {"output": _diff(out, ref_out) / ref_out.abs().max().item() / u}
+    leaves, ref_leaves = pytree.tree_leaves(out), pytree.tree_leaves(ref_out)
+    scale = max(b.abs().max().item() for b in ref_leaves)
+    errors = {"output": max(_diff(a, b) for a, b in zip(leaves, ref_leaves)) / scale / u}
     _probe(out).backward()
     _probe(ref_out).backward()
     params = dict(pmodel.named_parameters())
@@ -75,6 +78,13 @@ def compare(spec: ModelSpec, plan: str, mesh_shape: tuple, axes: tuple) -> dict:
         # lr * dg / (|g| + eps); then the step's own rounding.
         bound = (LR * gscale / (grads[n].abs() + EPS) + pscale) * u
         errors[f"step {n}"] = ((p.detach() - q.detach()).abs() / bound).max().item()
+    buffers = dict(pmodel.named_buffers())
+    for n, q in ref.named_buffers():  # BatchNorm's running statistics, updated by the forward
+        b = buffers[n].full_tensor() if isinstance(buffers[n], DTensor) else buffers[n]
+        if q.is_floating_point():
+            errors[f"buffer {n}"] = _diff(b, q) / max(q.abs().max().item(), 1.0) / u
+        else:
+            errors[f"buffer {n}"] = 0.0 if torch.equal(b, q) else float("inf")
     sharded = sum(isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
                   for p in params.values())
     return {"errors": errors, "sharded": sharded}

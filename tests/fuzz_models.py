@@ -29,7 +29,7 @@ class Attn:
     heads: int
     kv_heads: int  # divides heads; < heads is GQA
     head_dim: int
-    norm: str  # "layer" | "rms" | "none"
+    norm: str  # "layer" | "rms" | "batch" | "none"
     fused_qkv: bool
     bias: bool
     gqa: str  # "repeat" (repeat_interleave) | "sdpa" (enable_gqa)
@@ -78,7 +78,16 @@ class SeqConv:
     depthwise: bool
 
 
-Block = Attn | MLP | TokenMix | SoftmaxGate | GroupLinear | SeqConv
+@dataclass(frozen=True)
+class MHA:
+    """nn.MultiheadAttention (batch_first, one packed in_proj_weight), pre-norm, residual."""
+
+    heads: int  # divides dim
+    causal: bool
+    bias: bool
+
+
+Block = Attn | MLP | TokenMix | SoftmaxGate | GroupLinear | SeqConv | MHA
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,8 @@ class ModelSpec:
     out_dim: int
     seed: int
     positions: bool = False  # a learned position embedding indexed by arange
+    repeat_first: bool = False  # the first block runs again at the end: one module, two uses (ALBERT)
+    two_outputs: bool = False  # the model returns (head output, final stream)
     loss: bool = False  # the model returns cross_entropy(logits, tokens shifted by one) (tokens, linear/tied head)
 
     @property
@@ -104,8 +115,20 @@ class ModelSpec:
         return 2.0**-24 if any(isinstance(b, Attn) and b.rope for b in self.blocks) else 2.0**-53
 
 
+class SeqBatchNorm(nn.Module):
+    """BatchNorm1d over the features of a (batch, seq, features) stream: statistics over batch and seq."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(dim)
+
+    def forward(self, x):
+        return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+
 def _norm(kind: str, dim: int) -> nn.Module:
-    return {"layer": lambda: nn.LayerNorm(dim), "rms": lambda: RMSNorm(dim), "none": nn.Identity}[kind]()
+    return {"layer": lambda: nn.LayerNorm(dim), "rms": lambda: RMSNorm(dim), "batch": lambda: SeqBatchNorm(dim),
+            "none": nn.Identity}[kind]()
 
 
 ACTS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "tanh": torch.tanh}
@@ -222,6 +245,19 @@ class SeqConvBlock(nn.Module):
         return x + F.silu(self.conv(x.transpose(1, 2))).transpose(1, 2)
 
 
+class MHABlock(nn.Module):
+    def __init__(self, spec: MHA, dim: int, seq: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, spec.heads, bias=spec.bias, batch_first=True)
+        if spec.causal:  # True where attention is not allowed
+            self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).triu(1))
+
+    def forward(self, x, mask=None):
+        y = self.norm(x)
+        return x + self.attn(y, y, y, attn_mask=getattr(self, "mask", None), need_weights=False)[0]
+
+
 def _block(spec: Block, dim: int, seq: int, gen: torch.Generator) -> nn.Module:
     if isinstance(spec, Attn):
         return AttnBlock(spec, dim, seq, gen)
@@ -233,6 +269,8 @@ def _block(spec: Block, dim: int, seq: int, gen: torch.Generator) -> nn.Module:
         return SoftmaxGateBlock(spec, dim)
     if isinstance(spec, SeqConv):
         return SeqConvBlock(spec, dim)
+    if isinstance(spec, MHA):
+        return MHABlock(spec, dim, seq)
     return GroupLinearBlock(spec, dim)
 
 
@@ -266,11 +304,14 @@ class FuzzModel(nn.Module):
             h = h + self.pos(torch.arange(h.shape[1], device=h.device))
         for block in self.blocks:
             h = block(h, mask)
+        if self.s.repeat_first:
+            h = self.blocks[0](h, mask)
         h = self.norm(h)
         if self.s.loss:
             logits = self.head(h)[:, :-1]
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1) % logits.shape[-1])
-        return self.head(h) if self.s.head != "none" else h
+        out = self.head(h) if self.s.head != "none" else h
+        return (out, h) if self.s.two_outputs else out
 
 
 def _patch_grid(seq: int) -> tuple[int, int]:
@@ -302,7 +343,7 @@ def build(spec: ModelSpec) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 # --- hypothesis strategies --------------------------------------------------------------------
 
-NORMS = st.sampled_from(["layer", "rms", "none"])
+NORMS = st.sampled_from(["layer", "rms", "batch", "none"])
 ODD = st.sampled_from([2, 3, 5, 6, 7, 8, 12, 13, 16, 30])  # 2, 3: fewer rows than ranks
 
 
@@ -327,6 +368,8 @@ def blocks(dim: int) -> st.SearchStrategy:
         st.builds(TokenMix, hidden=ODD),
         st.builds(SoftmaxGate, temperature=st.sampled_from([0.5, 1.0, 2.0])),
         st.builds(SeqConv, kernel=st.sampled_from([1, 3, 5]), depthwise=st.booleans()),
+        st.builds(MHA, heads=st.sampled_from([h for h in (1, 2, 3, 4) if dim % h == 0]), causal=st.booleans(),
+                  bias=st.booleans()),
     ] + ([st.builds(GroupLinear, groups=st.sampled_from(groups))] if groups else [])
     return st.one_of(*options)
 
@@ -342,5 +385,6 @@ def model_specs(draw, max_blocks: int = 3) -> ModelSpec:
         in_dim=draw(st.sampled_from([2, 3, 5, 11, 17])), blocks=tuple(draw(st.lists(blocks(dim), min_size=1,
                                                                                    max_size=max_blocks))),
         final_norm=draw(NORMS), head=head, out_dim=draw(st.sampled_from([1, 2, 3, 7, 10])),
-        seed=draw(st.integers(0, 2**16)), positions=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)), positions=draw(st.booleans()), repeat_first=draw(st.booleans()),
+        two_outputs=draw(st.booleans()),
         loss=stem == "tokens" and head != "none" and draw(st.booleans()))

@@ -120,12 +120,19 @@ class ParallelModule(nn.Module):
             elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
                 # The module's own buffer (made real from meta, or loaded) over export's copy of it.
                 buf = self._model.get_buffer(captured.buffers[node.name])
+                if captured.buffers[node.name] in captured.mutated_buffers:
+                    buf = buf.clone()  # written back below, while autograd may still hold the old value
                 feeds.append(local_view(buf, plan.node(node.name).output, self.mesh.sizes, rank.coord))
             elif node.name in captured.constants:
                 feeds.append(captured.constants[node.name])
             else:
                 feeds.append(next(inputs))
         outs = self._program(*feeds)
+        # export returns a buffer's new value (BatchNorm's running statistics) before the outputs
+        mutated, outs = outs[:len(captured.mutated_buffers)], outs[len(captured.mutated_buffers):]
+        with torch.no_grad():
+            for name, value in zip(captured.mutated_buffers, mutated):
+                self._model.get_buffer(name).copy_(value)
         out_dtype = self.regime.precision.output_dtype
         if out_dtype is not None:
             outs = [o.to(out_dtype) if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in outs]
