@@ -57,7 +57,7 @@ def compare(spec: ModelSpec, plan: str, mesh_shape: tuple, axes: tuple) -> dict:
     out, ref_out = pmodel(*inputs), ref(*inputs)
     u = spec.unit
     leaves, ref_leaves = pytree.tree_leaves(out), pytree.tree_leaves(ref_out)
-    scale = max(b.abs().max().item() for b in ref_leaves)
+    scale = max(b.abs().max().item() for b in ref_leaves) or 1.0  # all zero: compare absolutely
     errors = {"output": max(_diff(a, b) for a, b in zip(leaves, ref_leaves)) / scale / u}
     _probe(out).backward()
     _probe(ref_out).backward()
@@ -65,7 +65,7 @@ def compare(spec: ModelSpec, plan: str, mesh_shape: tuple, axes: tuple) -> dict:
     ref_params = dict(ref.named_parameters())
     assert params.keys() == ref_params.keys(), (sorted(params), sorted(ref_params))
     full = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in params.items()}
-    gscale = max(q.grad.abs().max().item() for q in ref_params.values())
+    gscale = max(q.grad.abs().max().item() for q in ref_params.values()) or 1.0
     errors.update({f"grad {n}": _diff(full[n], q.grad) / gscale / u for n, q in ref_params.items()})
     grads = {n: q.grad.clone() for n, q in ref_params.items()}
     for model in (pmodel, ref):

@@ -10,7 +10,7 @@ by the mesh.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -380,7 +380,7 @@ def model_specs(draw, max_blocks: int = 3) -> ModelSpec:
     stem = draw(st.sampled_from(["tokens", "features", "patches"]))
     dim = draw(st.sampled_from([3, 6, 7, 8, 12, 13, 15, 16]))
     head = draw(st.sampled_from(["linear", "tied", "none"] if stem == "tokens" else ["linear", "none"]))
-    return ModelSpec(
+    spec = ModelSpec(
         stem=stem, batch=draw(st.integers(1, 3)), seq=draw(st.sampled_from([2, 3, 4, 5, 6, 7, 8])), dim=dim,
         in_dim=draw(st.sampled_from([2, 3, 5, 11, 17])), blocks=tuple(draw(st.lists(blocks(dim), min_size=1,
                                                                                    max_size=max_blocks))),
@@ -388,3 +388,6 @@ def model_specs(draw, max_blocks: int = 3) -> ModelSpec:
         seed=draw(st.integers(0, 2**16)), positions=draw(st.booleans()), repeat_first=draw(st.booleans()),
         two_outputs=draw(st.booleans()),
         loss=stem == "tokens" and head != "none" and draw(st.booleans()))
+    if spec.loss and spec.head == "linear" and spec.out_dim == 1:  # one class: the loss is 0 whatever the model
+        spec = replace(spec, out_dim=2)
+    return spec
