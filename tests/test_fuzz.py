@@ -1,14 +1,16 @@
 """Property-based fuzzing: random small models on random meshes equal one device, or say why not.
 
-Every example (tests/fuzz_models.py: embeddings, conv patches, odd-sized linears, norms, gated
-MLPs, attention with odd head counts, GQA, RoPE, masks, written-out softmax attention, permutes,
-tied heads) is planned under a random budget on {"tensor": 2}, {"domain": 2}, {"domain": 2,
+Every example (tests/fuzz_models.py: embeddings, positions, conv2d patches, conv1d, odd-sized
+linears, LayerNorm/RMSNorm/BatchNorm, gated MLPs, attention with odd head counts, GQA, RoPE,
+masks, written out or nn.MultiheadAttention, permutes, tied heads, a module used twice, a
+cross-entropy loss, two outputs) is planned under a random budget on {"tensor": 2}, {"domain": 2}, {"domain": 2,
 "tensor": 2} or {"tensor": 4}, then either matches the single-device model (outputs, every
 gradient, one Adam step, to a few dozen units of roundoff) or raises a ValueError naming a node
 or parameter and a mesh axis or a fix. Anything else fails, hangs included (the pool's timeout).
 
 Profiles: the default "ci" is derandomized and small (about two minutes on two cores);
-`AUTOJIGSAW_FUZZ=long` runs thousands of random examples, by hand:
+`AUTOJIGSAW_FUZZ=long` runs thousands of random examples (AUTOJIGSAW_FUZZ_EXAMPLES, default
+2000), by hand; hypothesis stops at the first failure and shrinks it (minutes per step here):
 
     AUTOJIGSAW_FUZZ=long python -m pytest -q -s tests/test_fuzz.py
 
@@ -17,7 +19,6 @@ A counterexample becomes a plain test in tests/test_fuzz_regressions.py.
 
 import os
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,7 +48,8 @@ def check(spec, mesh, fraction, pool) -> tuple[str, str]:
     for rank, (r,) in enumerate(results):
         wrong = {k: v for k, v in r["errors"].items() if not v <= ROUNDOFF_UNITS}
         assert not wrong, f"rank {rank} on {mesh}, budget {fraction:.2f}: {wrong}\n{spec}"
-    return "matched", f"{results[0][0]['sharded']} of {sum(k.startswith('grad ') for k in results[0][0]['errors'])} parameters sharded"
+    first = results[0][0]
+    return "matched", f"{first['sharded']} of {sum(k.startswith('grad ') for k in first['errors'])} parameters sharded"
 
 
 @settings(settings.get_profile(PROFILE))
