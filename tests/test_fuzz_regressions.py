@@ -12,7 +12,7 @@ from autojigsaw.passes.strategies import annotate
 from autojigsaw.placements import local_shape
 
 from .fuzz_check import ROUNDOFF_UNITS, compare_all, plan_or_error
-from .fuzz_models import MLP, ModelSpec, TokenMix, build
+from .fuzz_models import MLP, ModelSpec, SoftmaxGate, TokenMix, build
 
 
 def _matches(pool, spec: ModelSpec, mesh: dict[str, int], fraction: float) -> None:
@@ -56,3 +56,25 @@ def test_no_conv2d_strategy_leaves_a_rank_without_channels_or_pixels(mesh):
 
 def test_patch_embedding_of_six_channels_on_four_ranks(ranks4):
     _matches(ranks4, PATCHES, {"tensor": 4}, 0.5)
+
+
+# BatchNorm over 6 channels on 4 ranks: DTensor's rule shards the channels, rank 3 gets none, and
+# batch_norm refuses an input without elements.
+BATCHNORM_6 = ModelSpec(stem="features", batch=2, seq=2, dim=6, in_dim=3, blocks=(SoftmaxGate(temperature=1.0),),
+                        final_norm="batch", head="linear", out_dim=3, seed=0)
+
+
+def test_no_batch_norm_strategy_leaves_a_rank_an_empty_input():
+    model, inputs = build(BATCHNORM_6)
+    captured = capture(model, inputs)
+    spec = MeshSpec.of({"tensor": 4})
+    annotate(captured.gm, spec)
+    bn = next(n for n in captured.gm.graph.nodes if "batch_norm" in str(n.target))
+    x = bn.args[0].meta["val"].shape
+    for s in bn.meta[STRATEGIES]:
+        for coord in range(4):
+            assert min(local_shape(x, s.inputs[0], spec.sizes, (coord,))) > 0, s
+
+
+def test_batch_norm_of_six_channels_on_four_ranks(ranks4):
+    _matches(ranks4, BATCHNORM_6, {"tensor": 4}, 0.6)
