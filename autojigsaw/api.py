@@ -300,7 +300,8 @@ def _output_placements(captured: Captured, mesh: MeshSpec, placements, training:
     if placements is None:
         if not (training and any(v.ndim == 0 and v.is_floating_point() for v in vals)):
             return None
-        return [tuple(Replicate() for _ in mesh.sizes) if v.ndim == 0 else None for v in vals]
+        k = len(captured.mutated_buffers)  # buffers' new values come back whole, into the buffers
+        return [tuple(Replicate() for _ in mesh.sizes) if v.ndim == 0 or i < k else None for i, v in enumerate(vals)]
     if len(placements) != len(vals):
         raise ValueError(f"output_placements has {len(placements)} entries but the model returns "
                          f"{len(vals)} tensors; give one per output tensor")

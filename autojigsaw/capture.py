@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
@@ -37,6 +37,7 @@ class Captured:
     inputs: list[str]  # placeholder names of the user inputs, in flattened order
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
+    mutated_buffers: list[str] = field(default_factory=list)  # FQNs the first graph outputs are new values of
 
     @property
     def input_values(self) -> list:
@@ -92,7 +93,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-    return Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec)
+    mutated = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION]
+    return Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated)
 
 
 @contextlib.contextmanager

@@ -131,6 +131,8 @@ class ParallelModule(nn.Module):
             elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
                 # The module's own buffer (made real from meta, or loaded) over export's copy of it.
                 buf = self._model.get_buffer(captured.buffers[node.name])
+                if captured.buffers[node.name] in captured.mutated_buffers:
+                    buf = buf.clone()  # written back below, while autograd may still hold the old value
                 feeds.append(local_view(buf, plan.node(node.name).output, self.mesh.sizes, rank.coord))
             elif node.name in captured.constants:
                 feeds.append(captured.constants[node.name])
@@ -140,29 +142,35 @@ class ParallelModule(nn.Module):
             outs = self._program(*feeds)
         except CollectiveError as e:
             raise CollectiveError(f"{e} (graph node {_failing_node(e, self._graph)!r}, forward)", e.kind, e.axis) from e
+        # export returns a buffer's new value (BatchNorm's running statistics) before the outputs
+        k = len(captured.mutated_buffers)
+        mutated, outs = list(outs[:k]), list(outs[k:])
+        with torch.no_grad():
+            for name, value in zip(captured.mutated_buffers, mutated):
+                self._model.get_buffer(name).copy_(value)
         if self.precision.output_dtype is not None:
             outs = [o.to(self.precision.output_dtype) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
                     for o in outs]
         if not self._local_outputs:
-            outs = self._as_dtensors(list(outs))
+            outs = self._as_dtensors(outs)
         return pytree.tree_unflatten(list(outs), captured.out_spec)
 
     def _as_dtensors(self, outs: list) -> list:
         """Beside a returned loss, the outputs the plan leaves sharded (logits), as DTensors: whole on
         request (`.full_tensor()`), never mistaken for whole. Other plans' outputs are as asked."""
         out_node = next(n for n in self._captured.gm.graph.nodes if n.op == "output")
-        vals = [getattr(a, "meta", {}).get("val") for a in out_node.args[0]]
-        if not any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in vals):
+        k = len(self._captured.mutated_buffers)  # buffers' new values come first, then the outputs
+        vals = [getattr(a, "meta", {}).get("val") if a is not None else None for a in out_node.args[0]]
+        if not any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in vals[k:]):
             return outs
         placements = iter(self.plan.output_placements)
-        for i, arg in enumerate(out_node.args[0]):
-            val = getattr(arg, "meta", {}).get("val") if arg is not None else None
+        for i, val in enumerate(vals):
             if not isinstance(val, torch.Tensor):
                 continue
             pl = next(placements)
-            if pl is not None and not all(p.is_replicate() for p in pl):
-                outs[i] = DTensor.from_local(outs[i], self.device_mesh, pl, run_check=False,
-                                             shape=val.shape, stride=val.stride())
+            if i >= k and pl is not None and not all(p.is_replicate() for p in pl):
+                outs[i - k] = DTensor.from_local(outs[i - k], self.device_mesh, pl, run_check=False,
+                                                 shape=val.shape, stride=val.stride())
         return outs
 
     def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:

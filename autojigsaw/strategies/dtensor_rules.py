@@ -10,6 +10,8 @@ this file is the only one that touches it (torch is pinned to one minor release)
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +35,10 @@ from ..mesh import MeshSpec, RankView
 from ..placements import Placements, local_shape, normalize
 
 _PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
+_aten = torch.ops.aten
+# Kernels that refuse an empty input, as torch.chunk leaves the last ranks (6 channels over 4: 2, 2, 2, 0).
+_NO_EMPTY_INPUT = {_aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit.default,
+                   _aten.native_batch_norm.default}
 
 
 def has_rule(op) -> bool:
@@ -54,7 +60,13 @@ def dtensor_strategies(
     if not has_rule(node.target):
         return None
     with _unpriced():
-        return _strategies_of(node, mesh, candidates)
+        pairs = _strategies_of(node, mesh, candidates)
+    if pairs and node.target in _NO_EMPTY_INPUT:
+        shape = node.args[0].meta["val"].shape
+        pairs = [(ins, outs) for ins, outs in pairs
+                 if all(math.prod(local_shape(shape, ins[0], mesh.sizes, c)) > 0
+                        for c in itertools.product(*map(range, mesh.sizes)))] or None
+    return pairs
 
 
 def _strategies_of(node: Node, mesh: MeshSpec, candidates: dict[Node, Sequence[Placements]]):

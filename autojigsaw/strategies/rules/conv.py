@@ -12,10 +12,12 @@ the patch rows (columns) divide evenly over the axes that shard them.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ...placements import chunk_sizes
+from ...placements import chunk_sizes, local_shape
 from .base import AxisOption, per_axis, register
 from .matmul import trim_options
 
@@ -51,7 +53,8 @@ def conv2d(node, mesh, candidates):
         return opts
 
     found = per_axis(mesh, lambda n: trim_options(options(n), has_bias))
-    return [s for s in found if _patches_align(s.inputs[0], x.shape, y.shape, w.shape, mesh)]
+    return [s for s in found if _patches_align(s.inputs[0], x.shape, y.shape, w.shape, mesh)
+            and _no_empty_shard(s.inputs[0], s.inputs[1], x.shape, w.shape, mesh)]
 
 
 def _conv_args(node):
@@ -81,6 +84,17 @@ def _patches_align(x_pl, x_shape, y_shape, w_shape, mesh) -> bool:
     for d in (2, 3):
         parts = [n for p, n in zip(x_pl, mesh.sizes) if p == Shard(d) and n > 1]
         if parts and not _aligned(x_shape[d], y_shape[d], w_shape[d], parts):
+            return False
+    return True
+
+
+def _no_empty_shard(x_pl, w_pl, x_shape, w_shape, mesh) -> bool:
+    """Does every rank hold a channel and a pixel of X and a channel of W? torch.chunk leaves the
+    last ranks none when a dim is small (6 over 4: 2, 2, 2, 0), and conv2d refuses an empty one."""
+    for coord in itertools.product(*map(range, mesh.sizes)):
+        if min(local_shape(x_shape, x_pl, mesh.sizes, coord)[1:]) == 0:
+            return False
+        if min(local_shape(w_shape, w_pl, mesh.sizes, coord)[:2]) == 0:
             return False
     return True
 
