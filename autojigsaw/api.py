@@ -234,7 +234,8 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
     ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer), regime)
     problem = _problem(captured, ctx, tie_layers=False)
-    nodes = [next(n for n in captured.gm.graph.nodes if n.name == name) for name in problem.names]
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    nodes = [by_name[name] for name in problem.names]
     problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
     evaluated = with_traffic(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
                              captured)

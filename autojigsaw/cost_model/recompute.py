@@ -96,16 +96,12 @@ def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[froze
         return [x for x in (replace_span(item, item.start, end_fwd), replace_span(item, start_bwd, item.end))
                 if x.start <= x.end]
 
-    lin, kept_lin = [], {}
-    for k, item in enumerate(memory.lin):
-        for piece in split(item, memory.kept_lin.get(k)):
-            lin.append(piece)
+    lin = [piece for k, item in enumerate(memory.lin) for piece in split(item, memory.kept_lin.get(k))]
     maxes = [piece for k, item in enumerate(memory.maxes) for piece in split(item, memory.kept_maxes.get(k))]
     pairs = [piece for k, item in enumerate(memory.pairs)
              for piece in (split(item, memory.kept_pairs.get(k)) if memory.kept_pairs.get(k) in resaved else [item])]
-    out = MemoryModel(memory.names, memory.training, memory.vectors, lin, maxes, pairs, kept_lin)
-    out._ids = memory._ids
-    return out
+    # the split model is final: it keeps no record of what could be recomputed again
+    return MemoryModel(memory.names, memory.training, memory.vectors, lin, maxes, pairs, _ids=memory._ids)
 
 
 def replace_span(item, start: int, end: int):

@@ -85,8 +85,7 @@ class ParallelModule(nn.Module):
         where they are (the optimizer's DTensors stay valid) and keeps both programs.
         """
         key = self._key(args, kwargs)
-        first = not self._programs
-        if first:
+        if not self._programs:
             program = self._make(self._model, args, kwargs)
         else:
             log.info("autojigsaw: planning again for input shapes %s (parameters stay as placed)", key[1])
@@ -102,6 +101,7 @@ class ParallelModule(nn.Module):
         self.plan, self._captured, self._rank, self._graph = program.plan, program.captured, program.rank, program.graph
         self.precision = program.precision
         self._program = program.run
+        self._sharded_outputs = _sharded_beside_loss(program.captured, program.plan)
 
     # ------------------------------------------------------------ running
 
@@ -158,19 +158,9 @@ class ParallelModule(nn.Module):
     def _as_dtensors(self, outs: list) -> list:
         """Beside a returned loss, the outputs the plan leaves sharded (logits), as DTensors: whole on
         request (`.full_tensor()`), never mistaken for whole. Other plans' outputs are as asked."""
-        out_node = next(n for n in self._captured.gm.graph.nodes if n.op == "output")
-        k = len(self._captured.mutated_buffers)  # buffers' new values come first, then the outputs
-        vals = [getattr(a, "meta", {}).get("val") if a is not None else None for a in out_node.args[0]]
-        if not any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in vals[k:]):
-            return outs
-        placements = iter(self.plan.output_placements)
-        for i, val in enumerate(vals):
-            if not isinstance(val, torch.Tensor):
-                continue
-            pl = next(placements)
-            if i >= k and pl is not None and not all(p.is_replicate() for p in pl):
-                outs[i - k] = DTensor.from_local(outs[i - k], self.device_mesh, pl, run_check=False,
-                                                 shape=val.shape, stride=val.stride())
+        for i, placements, val in self._sharded_outputs:
+            outs[i] = DTensor.from_local(outs[i], self.device_mesh, placements, run_check=False,
+                                         shape=val.shape, stride=val.stride())
         return outs
 
     def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -196,6 +186,24 @@ class ParallelModule(nn.Module):
                                  "inputs (other shapes are planned again only for whole inputs)")
             out.append(self._compute_copy(x if given_local else _slice(x, pl, self._rank)))
         return out
+
+
+def _sharded_beside_loss(captured: Captured, plan: Plan) -> list[tuple[int, tuple, torch.Tensor]]:
+    """(output index, placements, global value) of each output the plan leaves sharded beside a
+    returned scalar loss; none when the model returns no loss. Worked out once per program."""
+    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    k = len(captured.mutated_buffers)  # buffers' new values come first, then the outputs
+    vals = [getattr(a, "meta", {}).get("val") if a is not None else None for a in out_node.args[0]]
+    if not any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in vals[k:]):
+        return []
+    out, placements = [], iter(plan.output_placements)
+    for i, val in enumerate(vals):
+        if not isinstance(val, torch.Tensor):
+            continue
+        pl = next(placements)
+        if i >= k and pl is not None and not all(p.is_replicate() for p in pl):
+            out.append((i - k, pl, val))
+    return out
 
 
 def _failing_node(error: BaseException, gm: GraphModule) -> str:
