@@ -54,7 +54,7 @@ def check_agreement(facts: dict[str, str]) -> None:
     """Every rank must run the same versions, model, input shapes and plan, or collectives would not
     match up: one exchange of small facts, before any collective of the step, and an error naming
     what differs and on which ranks (a rank whose planning failed says so in its "plan")."""
-    mine = {"versions": f"torch {torch.__version__}, autojigsaw {_VERSION}", **facts}
+    mine = {"versions": installed_versions(), **facts}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     for key in mine:
@@ -65,6 +65,11 @@ def check_agreement(facts: dict[str, str]) -> None:
             seen = "; ".join(f"ranks {ranks}: {value[:300]}" for value, ranks in by_value.items())
             raise ValueError(f"ranks disagree on the {key} ({seen}): give every rank the same "
                              f"{_FIX.get(key, key)}, or plan once and pass plan=")
+
+
+def installed_versions() -> str:
+    """The versions of torch and autojigsaw this rank runs."""
+    return f"torch {torch.__version__}, autojigsaw {_VERSION}"
 
 
 _FIX = {"versions": "installation (torch and autojigsaw versions)", "model": "model (parameter names, shapes "
