@@ -8,7 +8,8 @@
 The model is built from a config (no download) with the same seed on every rank, so any mesh
 starts from the same weights and reads the same batches: the losses match a 1-rank run. Rank 0
 prints the plan and a line per step; a checkpoint (model + optimizer, torch.distributed.checkpoint)
-is saved at the end under --checkpoint-dir, and --resume continues from the latest one.
+is saved at the end under --checkpoint-dir (a crash mid-save keeps the previous one), and --resume
+continues from the latest one, on the same mesh or another.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from datetime import timedelta
@@ -67,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dtype", default="uint16", choices=TOKEN_DTYPES, help="dtype of a raw .bin file")
     p.add_argument("--checkpoint-dir", type=lambda s: Path(s) if s else None, default=Path("checkpoints"),
                    help="where checkpoints go ('' for none); use one all nodes share")
+    p.add_argument("--save-every", type=int, default=0, help="also save a checkpoint every N steps (0: only "
+                   "at the end); a run killed mid-way then resumes from the last one")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     return p.parse_args(argv)
 
@@ -103,6 +107,8 @@ def check_args(args, world: int) -> tuple[tuple[int, ...], tuple[str, ...], np.n
     if math.prod(sizes) != world:
         raise BadInput(f"--mesh {args.mesh} has {math.prod(sizes)} ranks but {world} were started: "
                        f"give a mesh of {world} ranks, or start {math.prod(sizes)} (torchrun --nproc-per-node, --nnodes)")
+    if args.save_every < 0:
+        raise BadInput(f"--save-every {args.save_every}: give a number of steps, or 0 to save only at the end")
     if args.resume and args.checkpoint_dir is None:
         raise BadInput("--resume needs the --checkpoint-dir of the run to continue")
     if args.resume and latest_checkpoint(args.checkpoint_dir) is None:
@@ -193,20 +199,25 @@ def peak_bytes(device: torch.device) -> int:
 
 
 def save(folder: Path, step: int, pmodel, opt) -> Path:
-    """Save to a new directory, then switch `latest` to it: a crash mid-save keeps the last one."""
+    """Write the checkpoint to `step-N.tmp`, rename it to `step-N`, then point `latest` at it by
+    another rename: a crash at any moment leaves `latest` naming the last complete checkpoint."""
     name = [f"step-{step:06d}"]
     if dist.get_rank() == 0:
         tries = (f"{name[0]}-{n}" for n in range(1, 1000))
         while (folder / name[0]).exists():
             name[0] = next(tries)
+        shutil.rmtree(folder / f"{name[0]}.tmp", ignore_errors=True)  # left by a save that crashed
     dist.broadcast_object_list(name, src=0)
+    path, partial = folder / name[0], folder / f"{name[0]}.tmp"
     state = {"model": pmodel.state_dict(), "optim": get_optimizer_state_dict(pmodel, opt), "step": step}
-    dcp.save(state, checkpoint_id=folder / name[0])
+    dcp.save(state, checkpoint_id=partial)
+    dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
+        os.replace(partial, path)
         (folder / "latest.tmp").write_text(name[0] + "\n")
         os.replace(folder / "latest.tmp", folder / "latest")
     dist.barrier()
-    return folder / name[0]
+    return path
 
 
 def load(folder: Path, pmodel, opt) -> int:
@@ -261,10 +272,10 @@ def train(args, sizes, names, tokens) -> None:
             label = "max allocated" if device.type == "cuda" else "peak RSS"
             print(f"step {step:5d}  loss {loss:.6f}  {args.batch * args.seq / dt:9.0f} tokens/s  "
                   f"{label} MiB per rank: {memory}", flush=True)
-    if args.checkpoint_dir and args.steps > start:
-        path = save(args.checkpoint_dir, args.steps, pmodel, opt)
-        if rank == 0:
-            print(f"saved {path}", flush=True)
+        if args.checkpoint_dir and (step == args.steps or args.save_every and step % args.save_every == 0):
+            path = save(args.checkpoint_dir, step, pmodel, opt)
+            if rank == 0:
+                print(f"saved {path}", flush=True)
 
 
 def main(argv=None) -> int:

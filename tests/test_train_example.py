@@ -1,8 +1,8 @@
 """examples/train.py as a user runs it: torchrun, a checkpoint, --resume, bad input.
 
-The script builds the same weights and batches on any mesh, so a 2-rank run (2 steps, then 2
-more resumed from its checkpoint) must print the losses of a 1-rank run of 4 steps, to fp32
-rounding. Bad input must end the run before any process group starts, with one line naming
+The script builds the same weights and batches on any mesh, so a 2-rank run of 4 steps (killed
+while saving its second checkpoint), and the runs resumed from its first checkpoint on the same 2
+ranks and on a domain=2 mesh, must print the losses of a 1-rank run of 4 steps, to fp32 rounding. Bad input must end the run before any process group starts, with one line naming
 the fix: under torchrun once, and in this process (the checks need no launcher) for the rest.
 """
 
@@ -10,6 +10,7 @@ import math
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,25 +50,61 @@ def losses(out: str) -> dict[int, float]:
     return {int(m[1]): float(m[2]) for m in re.finditer(r"^step +(\d+) +loss +(\S+)", out, re.M)}
 
 
-def test_parallel_and_resumed_losses_equal_one_rank(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+# Run as the script, but rank 1 dies after writing its files of the second checkpoint: mid-save.
+CRASH_IN_SECOND_SAVE = f"""
+import os, runpy, sys
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+write, calls = FileSystemWriter.write_data, []
+def write_then_die(self, plan, planner):
+    calls.append(1)
+    future = write(self, plan, planner)
+    if len(calls) == 2 and os.environ["RANK"] == "1":
+        future.wait()
+        os._exit(17)
+    return future
+FileSystemWriter.write_data = write_then_die
+sys.argv[0] = {SCRIPT!r}
+runpy.run_path({SCRIPT!r}, run_name="__main__")
+"""
+
+
+def test_parallel_crashed_and_resumed_losses_equal_one_rank(tmp_path):
+    """One rank, 4 steps; 2 ranks on tensor=2, 4 steps, saving at 2 and killed while saving at 4;
+    resumed from step 2 on the same mesh, and on domain=2, which replicates the weights the
+    checkpoint holds split (DCP reshards them and Adam's state; 2 -> 4 ranks: tests/test_checkpoint.py)."""
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
     single = start(one_rank("--steps", "4", "--checkpoint-dir", ""))  # alongside the parallel runs
-    rc, first, err = finish(start(torchrun(2, *SHARDED, "--steps", "2", "--checkpoint-dir", ckpt)))
-    assert rc == 0, first + err
+    (tmp_path / "crash.py").write_text(CRASH_IN_SECOND_SAVE)
+    crash = [*torchrun(2, *SHARDED, "--steps", "4", "--save-every", "2", "--checkpoint-dir", str(ckpt))]
+    crash[crash.index(SCRIPT)] = str(tmp_path / "crash.py")
+    rc, first, err = finish(start(crash))
+    assert rc != 0 and "saved " + str(ckpt / "step-000002") in first and "step-000004" not in first, first + err
     assert re.search(r"^\S+ +\S+.* aten\.linear .* S\(\d\)", first, re.M), "the plan shards no linear"
     assert "tokens/s" in first and "peak RSS MiB per rank" in first
-    assert (Path(ckpt) / "latest").read_text().strip() == "step-000002"
-    rc, resumed, err = finish(start(torchrun(2, *SHARDED, "--steps", "4", "--checkpoint-dir", ckpt, "--resume")))
+    # The crash left a partial step-000004.tmp; `latest` still names the complete step 2.
+    assert (ckpt / "latest").read_text().strip() == "step-000002"
+    assert not (ckpt / "step-000004").exists() and (ckpt / "step-000004.tmp").is_dir()
+    shutil.copytree(ckpt, other)
+    same = start(torchrun(2, *SHARDED, "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume"))
+    rc, resharded, err = finish(start(torchrun(2, "--mesh", "domain=2", "--steps", "4", "--checkpoint-dir",
+                                               str(other), "--resume")))
+    assert rc == 0, resharded + err
+    rc, resumed, err = finish(same)
     assert rc == 0, resumed + err
-    assert "resuming after step 2" in resumed
+    assert "resuming after step 2" in resumed and "resuming after step 2" in resharded
+    assert (ckpt / "latest").read_text().strip() == "step-000004" and not (ckpt / "step-000004.tmp").exists()
     rc, out, err = finish(single)
     assert rc == 0, out + err
-    parallel, reference = losses(first) | losses(resumed), losses(out)
-    assert sorted(parallel) == sorted(reference) == [1, 2, 3, 4]
-    assert all(math.isfinite(v) for v in parallel.values())
+    reference, crashed = losses(out), losses(first)
+    assert sorted(reference) == sorted(crashed) == [1, 2, 3, 4] and sorted(losses(resumed)) == [3, 4]
+    assert all(math.isfinite(v) for v in crashed.values())
     assert reference[4] < reference[1]  # it learns
-    for step, loss in reference.items():  # printed to 6 decimals: fp32 rounding of a loss near 5
-        assert parallel[step] == pytest.approx(loss, abs=2e-6), (step, parallel, reference)
+    assert losses(resumed) == {3: crashed[3], 4: crashed[4]}  # the same mesh: bitwise (as printed)
+    # Another mesh sums in another order: printed to 6 decimals, 2e-6 is 4 units of fp32 roundoff
+    # (2**-21 = 4.8e-7 at a loss between 4 and 8), one of them the printing.
+    for run in (crashed, losses(resharded)):
+        for step, loss in run.items():
+            assert loss == pytest.approx(reference[step], abs=2e-6), (step, run, reference)
 
 
 def test_bad_input_exits_with_one_line(tmp_path, capsys):
