@@ -20,7 +20,6 @@ A counterexample becomes a plain test in tests/test_fuzz_regressions.py.
 import json
 import os
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,11 +67,16 @@ RICH = ModelSpec(stem="tokens", batch=2, seq=7, dim=13, in_dim=17, final_norm="r
                          MLP(hidden=30, act="silu", gated=True, norm="rms", bias=False)))
 
 
-@pytest.mark.xfail(strict=False, reason="after this process planned the fuzz examples the plan differed from "
-                   "the ranks' (order-dependent state, not yet found); passes when run alone")
+# Planned first, it numbered placements in an order under which RICH's plan came out another
+# (equally fast) way while placement ids were numbered per process, not per graph.
+BEFORE = ModelSpec(stem="patches", batch=2, seq=3, dim=15, in_dim=11, final_norm="rms", head="none", out_dim=1,
+                   seed=1341, two_outputs=True, blocks=(MLP(hidden=12, act="silu", gated=False, norm="rms", bias=False),))
+
+
 def test_same_inputs_give_the_same_plan_in_every_process(ranks2):
-    """Planned here and on two ranks (other processes, other hash seeds): the same bytes."""
+    """Planned here after another model and on two ranks (other processes, other hash seeds): the same bytes."""
     mesh = {"domain": 2, "tensor": 2}
+    plan_or_error(BEFORE, mesh, 0.96)
     here = plan_or_error(RICH, mesh, 0.6)
     there = ranks2.run(plan_or_error, RICH, mesh, 0.6)
     assert here[0] is not None, here[1]

@@ -204,20 +204,22 @@ def _zeros(n: int) -> np.ndarray:
     return np.zeros(n)
 
 
-_PLACEMENT_IDS: dict = {}
-
-
-@lru_cache(maxsize=None)
-def _ids_of(placements: tuple) -> np.ndarray:
-    """Placement ids per strategy: equal ids exactly for equal placements."""
-    return np.array([_PLACEMENT_IDS.setdefault(p, len(_PLACEMENT_IDS)) for p in placements], dtype=np.int64)
-
-
 class _Vectors:
     """Bytes of a node's outputs or inputs per strategy, each (shape, placements) pattern once."""
 
     def __init__(self, sizes: tuple[int, ...]):
         self.sizes = sizes
+        self._placement_ids: dict = {}
+        self._ids: dict[tuple, np.ndarray] = {}
+
+    def ids(self, placements: tuple) -> np.ndarray:
+        """Placement ids per strategy: equal ids exactly for equal placements, numbered as this graph
+        first shows them. (Numbered per process, they ordered the solver's columns, and so its pick
+        among equally good plans, by whatever the process had planned before.)"""
+        if placements not in self._ids:
+            number = self._placement_ids
+            self._ids[placements] = np.array([number.setdefault(p, len(number)) for p in placements], dtype=np.int64)
+        return self._ids[placements]
 
     def out_bytes(self, node: Node, strategies: list[Strategy]) -> np.ndarray:
         vals = output_values(node)
@@ -304,8 +306,8 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
                 model.lin.append(LinearItem(k, model.vector(in_b), bwd(k), bwd(k), _LOSS_COPIES))
             if is_output or (node.op == "call_function" and is_view(node)):
                 continue
-            ids = (model.vector(_ids_of(tuple(s.outputs[o] for s in strategies[i]))),
-                   model.vector(_ids_of(tuple(s.inputs[j] for s in strategies[k]))))
+            ids = (model.vector(vec.ids(tuple(s.outputs[o] for s in strategies[i]))),
+                   model.vector(vec.ids(tuple(s.inputs[j] for s in strategies[k]))))
             none_src = model.vector(_zeros(len(strategies[i])))
             moved = partial(PairItem, i, k, *ids)
             # forward: the moved copy and the collective's working copies; the copy lives on while
