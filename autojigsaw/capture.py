@@ -58,6 +58,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     floating parameters and inputs in that dtype, buffers in their own.
     """
     kwargs = kwargs or {}
+    _check_dense(args, kwargs)
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               warnings.catch_warnings()):
@@ -72,6 +73,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             "data-dependent Python control flow, and pass use_cache=False to Hugging Face models."
         ) from e
     sig = ep.graph_signature
+    written = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.USER_INPUT_MUTATION]
+    if written:
+        raise ValueError(f"{type(model).__name__} writes in place into its input(s) {written}: autojigsaw does not "
+                         "write results back into inputs; use an out-of-place op (x = x * 2, not x.mul_(2))")
     params, buffers, constants, inputs = {}, {}, {}, []
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -95,6 +100,15 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     gm.recompile()
     mutated = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION]
     return Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated)
+
+
+def _check_dense(args: tuple, kwargs: dict) -> None:
+    """Only strided (dense) tensors can be sharded: a sparse input is refused by name."""
+    for path, value in pytree.tree_flatten_with_path((tuple(args), kwargs))[0]:
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            where = ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
+            raise ValueError(f"input {where} is a {value.layout} tensor: autojigsaw shards dense tensors only; "
+                             "pass it dense (.to_dense())")
 
 
 @contextlib.contextmanager

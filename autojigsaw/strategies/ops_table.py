@@ -1,0 +1,121 @@
+"""docs/ops.md, generated from the rule registries: what autojigsaw shards, runs replicated or refuses.
+
+    python -m autojigsaw.strategies.ops_table > docs/ops.md
+
+tests/test_ops_table.py regenerates it and compares, so the table cannot go stale.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .dtensor_rules import _NO_EMPTY_INPUT, _PROPAGATOR
+from .rules.base import _RULES
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A way of writing a model autojigsaw does not shard, what happens, and the test that shows it."""
+
+    pattern: str
+    outcome: str
+    test: str  # tests/<file>.py::<test function>
+
+
+PATTERNS = (
+    Pattern("data-dependent Python control flow (`if x.sum() > 0:`)",
+            "ValueError: torch.export could not capture the model; remove data-dependent control flow",
+            "tests/test_errors.py::test_uncapturable_model"),
+    Pattern("an in-place op on a model input (`x.mul_(2)`)",
+            "ValueError naming the input: autojigsaw does not write results back into inputs",
+            "tests/test_ops_table.py::test_in_place_op_on_an_input_is_refused"),
+    Pattern("a sparse input tensor (`x.to_sparse()`)",
+            "ValueError naming the input and its layout: pass a dense tensor",
+            "tests/test_ops_table.py::test_sparse_input_is_refused"),
+    Pattern("an op no rule covers (`torch.diff`)",
+            "runs replicated (`fallback` in the plan table), equal to one device",
+            "tests/test_ops_table.py::test_op_without_a_rule_runs_replicated_and_matches_one_device"),
+    Pattern("a batch smaller than the ranks of a data axis",
+            "ValueError naming the axis and the batch",
+            "tests/test_data_parallel.py::test_a_batch_smaller_than_the_data_axis_is_refused"),
+)
+
+
+def _name(op) -> str:
+    return str(op).removeprefix("aten.")
+
+
+def _core_ops():
+    """The core ATen opset (what torch.export's decompositions produce)."""
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in getattr(packet, "overloads", list)():
+            op = getattr(packet, overload)
+            if torch.Tag.core in op.tags:
+                yield op
+
+
+def dtensor_rules() -> dict[str, list[str]]:
+    """DTensor's rule function -> the ops it covers (that autojigsaw's own rules do not take)."""
+    by_rule = defaultdict(list)
+    funcs = {**_PROPAGATOR.op_strategy_funcs,
+             **{op: info.func for op, info in _PROPAGATOR.op_single_dim_strategy_funcs.items()}}
+    for op, fn in funcs.items():
+        if op not in _RULES:
+            by_rule[getattr(fn, "__name__", type(fn).__name__)].append(_name(op))
+    return {rule: sorted(ops) for rule, ops in sorted(by_rule.items())}
+
+
+def table() -> str:
+    own = sorted(_RULES.items(), key=lambda kv: _name(kv[0]))
+    dtensor = dtensor_rules()
+    covered = set(_RULES) | set(_PROPAGATOR.op_strategy_funcs) | set(_PROPAGATOR.op_single_dim_strategy_funcs)
+    fallback = sorted({_name(op) for op in _core_ops() if op not in covered})
+    lines = [
+        "# Supported ops and patterns",
+        "",
+        f"Generated from the rule registries with torch {torch.__version__.split('+')[0]} by",
+        "`python -m autojigsaw.strategies.ops_table > docs/ops.md`; do not edit by hand.",
+        "",
+        "Every node of the captured ATen graph gets its strategies from autojigsaw's own rule for its op",
+        "(first), else from DTensor's, else it runs replicated: the whole tensor on every rank, marked",
+        "`fallback` in the plan table -- slower, never wrong. The planner picks among the strategies.",
+        "",
+        f"## Sharded by autojigsaw's rules ({len(own)} ops)",
+        "",
+        "| op | rule |",
+        "|---|---|",
+        *(f"| `{_name(op)}` | `{fn.__module__.removeprefix('autojigsaw.')}.{fn.__name__}` |" for op, fn in own),
+        "",
+        f"## Sharded by DTensor's rules ({sum(map(len, dtensor.values()))} ops, {len(dtensor)} rules)",
+        "",
+        "Only strategies in plain `Shard` / `Replicate` / `Partial` placements are used (DTensor's private",
+        "variants need its runtime). For " + ", ".join(f"`{_name(op)}`" for op in sorted(_NO_EMPTY_INPUT, key=str))
+        + " the strategies that would leave a rank an empty input are dropped (the kernels refuse one).",
+        "",
+        "| DTensor rule | ops |",
+        "|---|---|",
+        *(f"| `{rule}` | {', '.join(f'`{op}`' for op in ops)} |" for rule, ops in dtensor.items()),
+        "",
+        f"## Replicated: core ATen ops no rule covers ({len(fallback)})",
+        "",
+        "Any op outside the two lists above runs replicated; these are the ones of the core ATen opset.",
+        "",
+        ", ".join(f"`{op}`" for op in fallback),
+        "",
+        "## Patterns autojigsaw does not shard",
+        "",
+        "| pattern | what happens | test |",
+        "|---|---|---|",
+        *(f"| {p.pattern} | {p.outcome} | `{p.test}` |" for p in PATTERNS),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table())
