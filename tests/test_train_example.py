@@ -125,6 +125,7 @@ def test_bad_input_exits_with_one_line(tmp_path, capsys):
         "give the --data-dtype it was written with": ["--data", str(tmp_path / "tokens.bin"), "--data-dtype", "int32"],
         "has token id 999, outside --vocab 256: give --vocab 1000": ["--data", str(tmp_path / "tokens.bin")],
         f"--resume: no checkpoint in {tmp_path}/": ["--resume", "--checkpoint-dir", str(tmp_path)],
+        "--save-every -1: give a number of steps, or 0 to save only at the end": ["--save-every", "-1"],
     }
     for expected, args in cases.items():
         assert train["main"]([*one, *args]) == 2, args
