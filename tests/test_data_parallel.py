@@ -8,7 +8,6 @@ all-reduced over it. Training on 3-D ("data", "domain", "tensor") meshes, and wi
 import copy
 
 import pytest
-import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
