@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -21,11 +20,12 @@ from .capture import Captured, capture
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
 from .cost_model.recompute import repeated_layers
+from .cost_model.regime import with_fsdp_traffic, with_regime
 from .cost_model.memory import Optimizer, optimizer_spec
 from .dtypes import value_carries_grad
 from .ir import grads_by_name
 from .mesh import MeshSpec, RankView
-from .placements import Placements, local_shape, normalize
+from .placements import Placements, normalize
 from .plan import Plan, PlanStats
 from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
@@ -214,8 +214,8 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     if solution is None:
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
     t3 = time.perf_counter()
-    planned = with_traffic(assemble(captured, problem, solution, ctx, budget), captured)
-    planned = with_regime(planned, captured, ctx, chosen.layers)
+    planned = with_regime(assemble(captured, problem, solution, ctx, budget), ctx, chosen.layers)
+    planned = with_fsdp_traffic(with_traffic(planned, captured), captured, ctx)
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
                                             len(solution.cuts), solution.gap))
@@ -237,9 +237,9 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     nodes = [by_name[name] for name in problem.names]
     problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
-    evaluated = with_traffic(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
-                             captured)
-    return with_regime(evaluated, captured, ctx, plan.recompute)
+    evaluated = with_regime(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
+                            ctx, plan.recompute)
+    return with_fsdp_traffic(with_traffic(evaluated, captured), captured, ctx)
 
 
 def with_traffic(plan: Plan, captured: Captured) -> Plan:
@@ -249,25 +249,6 @@ def with_traffic(plan: Plan, captured: Captured) -> Plan:
     traffic = traffic_by_origin(gm, rank, set(captured.params), plan.training)
     nodes = tuple(replace(n, comm_bytes=traffic.get(n.name, 0)) for n in plan.nodes)
     return replace(plan, nodes=nodes, comm_bytes=sum(traffic.values()))
-
-
-def with_regime(plan: Plan, captured: Captured, ctx: CostContext, recomputed) -> Plan:
-    """The plan with its training regime, and FSDP's traffic: its bytes, and its time less what
-    compute hides (a layer's gathers are prefetched during the layer before; the first is not)."""
-    values = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.name in captured.params}
-    fsdp_s, fsdp_bytes = 0.0, 0
-    for name in captured.params:
-        local = local_shape(tuple(values[name].shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
-        s, b = ctx.fsdp_comm(math.prod(local) * values[name].dtype.itemsize, values[name].dtype.itemsize)
-        fsdp_s, fsdp_bytes = fsdp_s + float(s), fsdp_bytes + int(b)
-    step = plan.step_time
-    if fsdp_s:
-        compute = sum(n.compute_s for n in plan.nodes if n.kind != "param")
-        layers = max(len(repeated_layers(list(captured.gm.graph.nodes), captured.params)), 1)
-        step = step - fsdp_s + max(fsdp_s - compute, fsdp_s / layers)
-    return replace(plan, step_time=step, comm_bytes=plan.comm_bytes + fsdp_bytes,
-                   precision=ctx.regime.precision.describe(), recompute=tuple(recomputed),
-                   data_parallel=ctx.regime.data_parallel)
 
 
 def _problem(captured: Captured, ctx: CostContext, tie_layers: bool | None):

@@ -21,10 +21,11 @@ _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 class WeatherMixerFamily:
     """WeatherMixer (examples/mixer_model.py) on a fixed sample, widened in steps of `unit`.
 
-    Stand-in configuration: the paper (arXiv 2507.05753) gives the sample size (~400 MB) and
-    the parameter counts, not every width here. 96 fp32 channels on a 0.25-degree 720 x 1440
-    grid is 398 MB; 16 x 16 patches give 4,050 tokens; token MLP hidden = width, channel MLP
-    hidden = 4 x width. Replace these numbers when the paper's configuration is known.
+    The paper (arXiv 2507.05753) and its talk give the sample (~400 MB, global 0.25-degree ERA5)
+    and the parameter counts (1.06 B on one GPU, 2.57 B on four); its widths, depth and patch
+    size could not be found here, so these are assumptions: 96 fp32 channels on a 720 x 1440
+    grid (398 MB), 16 x 16 patches (4,050 tokens), depth 8, token MLP hidden = width, channel
+    MLP hidden = 4 x width. Replace them when the paper's configuration is known.
     """
 
     channels: int = 96

@@ -2,9 +2,12 @@
 
 For each GPU count n (a balanced domain x tensor mesh), search the widest model of a family
 for which `autojigsaw.plan` finds a plan within the device's memory budget (no process
-group, the model on the meta device), and report the plan's predicted step time and the
-model FLOP utilisation (analytic training FLOPs / (step time x n x peak)). The search steps
-the width from a guess until a plan fails (or fits), then bisects.
+group, the model on the meta device), trained as people run it: bf16 compute with fp32
+master weights and gradient sums (MixedPrecisionPolicy), Adam, and recomputation chosen by
+the planner per layer (activation_checkpointing="auto"). Report the plan's predicted step
+time and the model FLOP utilisation (analytic training FLOPs / (step time x n x bf16 peak);
+recomputed FLOPs are not counted as useful). The search steps the width from a guess until
+a plan fails (or fits), then bisects.
 
 Run: python -m benchmarks.scaling [--gpus 1 2 4 ... 1024] [--families mixer llama]
 """
@@ -16,6 +19,9 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 import autojigsaw
 from autojigsaw.cost_model.devices import device_spec
 
@@ -23,6 +29,7 @@ from .common import OUT, Report
 from .families import LlamaFamily, WeatherMixerFamily
 
 GROWTH = 1.5  # width factor per search step before bisecting
+MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # What the Jigsaw paper (arXiv 2507.05753) and its talk report for WeatherMixer, 80 GB GPUs.
 PAPER = {1: "1.06 B", 4: "2.57 B, 97 % of peak", 8: "~4 B (talk); 6.4x speed-up",
          256: "11 PFLOP/s, 28 % of peak (with data parallelism)"}
@@ -61,7 +68,8 @@ class Search:
         model, inputs = self.family.build(k)
         start = time.perf_counter()
         try:
-            return autojigsaw.plan(model, inputs, mesh, device=self.device, memory_budget=self.budget)
+            return autojigsaw.plan(model, inputs, mesh, device=self.device, memory_budget=self.budget,
+                                   mp_policy=MIXED, activation_checkpointing="auto")
         except ValueError as e:
             if str(e).startswith("no plan fits"):  # autojigsaw's infeasibility error
                 return None
@@ -126,19 +134,25 @@ def sweep(family, gpus: list[int], device: str, budget: int | None, tolerance: f
 
 
 def _rows(family, points: list[Point], device: str, with_paper: bool) -> list:
-    peak = device_spec(device).peak_flops(family.dtype)
+    peak = device_spec(device).peak_flops(MIXED.param_dtype)
     rows = []
     for p in points:
         searched = f"{p.plans_made} / {p.seconds:.0f} s" + (" (planner error)" if p.error else "")
         paper = (PAPER.get(p.gpus, ""),) if with_paper else ()
         if p.plan is None:
-            rows.append((p.gpus, _mesh(p.mesh), "nothing fits", "", "", "", "", searched) + paper)
+            rows.append((p.gpus, _mesh(p.mesh), "nothing fits", "", "", "", "", "", searched) + paper)
             continue
         mfu = family.train_flops(p.k) / (p.plan.step_time * p.gpus * peak)
         rows.append((p.gpus, _mesh(p.mesh), family.describe(p.k), _count(p.params),
-                     f"{p.plan.memory_per_rank / 2**30:.1f} GiB", f"{p.plan.step_time * 1e3:.1f} ms",
-                     f"{mfu:.0%}", searched) + paper)
+                     f"{p.plan.memory_per_rank / 2**30:.1f} GiB", _recomputed(p.plan),
+                     f"{p.plan.step_time * 1e3:.1f} ms", f"{mfu:.0%}", searched) + paper)
     return rows
+
+
+def _recomputed(plan: autojigsaw.Plan) -> str:
+    """How many layers the plan recomputes, by policy ("none" if it keeps every activation)."""
+    policies = [policy for _, policy in plan.recompute]
+    return ", ".join(f"{policies.count(p)} {p}" for p in ("selective", "full") if p in policies) or "none"
 
 
 def _count(n: int) -> str:
@@ -207,15 +221,14 @@ def main(argv: list[str] | None = None) -> Report:
         results[family.name] = points = sweep(family, args.gpus, args.device, budget, args.tolerance)
         errors += [p.error for p in points if p.error]
         sample = f"{family.sample_bytes() / 1e6:.3g} MB sample" if key == "mixer" else f"{family.seq}-token sample"
-        headers = ["GPUs", "mesh d x t", "model", "params", "memory/GPU", "predicted step", "MFU",
-                   "plans / time"] + (["Jigsaw paper (WeatherMixer)"] if key == "mixer" else [])
-        rep.table(f"{family.name}, {sample}, {str(family.dtype).removeprefix('torch.')}, batch 1, "
+        headers = ["GPUs", "mesh d x t", "model", "params", "memory/GPU", "recomputed layers", "predicted step",
+                   "MFU", "plans / time"] + (["Jigsaw paper (WeatherMixer)"] if key == "mixer" else [])
+        rep.table(f"{family.name}, {sample}, bf16 compute with fp32 masters, batch 1, "
                   f"{shown:.3g} GiB budget per GPU", _rows(family, points, args.device, key == "mixer"), headers)
     rep.lines += ["Predicted by autojigsaw's cost model (plan.step_time), not measured. MFU = analytic "
-                  "training FLOPs / (predicted step x GPUs x peak of the dtype). Depth is fixed and "
-                  "width grows so that 1024-GPU plans stay fast. The weather mixer configuration is a "
-                  "stand-in (benchmarks/families.py): the paper's figures are for its own configuration "
-                  "and mixed precision.", ""]
+                  "training FLOPs / (predicted step x GPUs x bf16 peak). Depth is fixed and width grows so "
+                  "that 1024-GPU plans stay fast. The weather mixer's sample is the paper's (~400 MB); its "
+                  "widths, depth and patches are assumptions (benchmarks/families.py).", ""]
     if errors:
         rep.text("Planner errors (each counted as 'does not fit')", "\n".join(errors))
     _plot(results, args.device)

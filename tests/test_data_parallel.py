@@ -5,22 +5,30 @@ all-reduced over it. Training on 3-D ("data", "domain", "tensor") meshes, and wi
 `fully_shard` then sharding the weights over the data axis, must equal the single-device model.
 """
 
+import copy
+
 import pytest
 from torch.distributed.tensor import Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autojigsaw
 from autojigsaw import Plan
+from autojigsaw.ir import bytes_sent
+from autojigsaw.kernels.collectives import count_comm
+from autojigsaw.testing.local_ranks import get_mesh
 
-from .side_by_side import build, plan_json, train
+from .side_by_side import build, loss_of, max_diff, plan_json, train
 
 AXES = ("data", "domain", "tensor")
 
 
-def _data_parallel(plan: Plan) -> bool:
-    """Batch sharded over "data", every weight whole over it, some weight sharded elsewhere."""
+def _data_parallel(plan: Plan, *, sharded_elsewhere: bool = True) -> bool:
+    """Batch sharded over "data", every weight whole over it (FSDP shards it at run time), and
+    some weight sharded over another axis (`sharded_elsewhere`)."""
     return (all(pl[0] == Shard(0) for pl in plan.input_placements)
             and all(pl[0] == Replicate() for pl in plan.param_placements.values())
-            and any(p != Replicate() for pl in plan.param_placements.values() for p in pl[1:]))
+            and (not sharded_elsewhere or any(p != Replicate() for pl in plan.param_placements.values()
+                                              for p in pl[1:])))
 
 
 def test_a_batch_smaller_than_the_data_axis_is_refused():
@@ -29,13 +37,56 @@ def test_a_batch_smaller_than_the_data_axis_is_refused():
         autojigsaw.plan(model, inputs, {"data": 4}, device="cpu")
 
 
-@pytest.mark.parametrize("name,mesh,fsdp", [("mixer", (2, 1, 2), False), ("mixer", (2, 2, 1), True),
-                                            ("gpt2", (2, 1, 2), True)])
-def test_3d_mesh_trains_like_single_device(ranks4, name, mesh, fsdp):
-    plan = plan_json(name, dict(zip(AXES, mesh)), 0.5 if not fsdp else 0.3, data_parallel="fsdp" if fsdp else "ddp")
-    assert _data_parallel(Plan.from_json(plan))
+# GPT-2 under FSDP: below 0.53 of its replicated bytes nothing fits, above it FSDP's sharding alone
+# does, so its tensor axis shards activations, not weights.
+@pytest.mark.parametrize("name,mesh,fsdp,fraction", [("mixer", (2, 1, 2), False, 0.5), ("mixer", (2, 2, 1), True, 0.3),
+                                                     ("gpt2", (2, 1, 2), True, 0.54)])
+def test_3d_mesh_trains_like_single_device(ranks4, name, mesh, fsdp, fraction):
+    plan = plan_json(name, dict(zip(AXES, mesh)), fraction, data_parallel="fsdp" if fsdp else "ddp")
+    assert _data_parallel(Plan.from_json(plan), sharded_elsewhere=name != "gpt2")
     for r in ranks4.run(train, name, mesh, AXES, plan, steps=3, fsdp=fsdp):
         if fsdp:  # FSDP2 sharded every weight over the data axis
             assert r["whole_over_first_axis"] == 0, r
         for key in ("output", "grad", "param"):
             assert r[key] <= 1e-10, (key, r[key])
+
+
+class _FsdpTraffic(TorchDispatchMode):
+    """What FSDP's own collectives send: c10d's in-place ops (the graph's are functional ones)."""
+
+    KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter"}
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.calls = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = self.KINDS.get(func._schema.name.removeprefix("c10d::"))
+        if kind is not None:
+            src = args[1]  # (output, input, ...)
+            self.calls.append((kind, bytes_sent(kind, src.numel() * src.element_size(), self.n)))
+        return func(*args, **(kwargs or {}))
+
+
+def _fsdp_step(plan: str) -> dict:
+    ref, inputs = build("mixer")
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2, 2), ("data", "tensor")), inputs,
+                                    compile=False, plan=Plan.from_json(plan))
+    fsdp = _FsdpTraffic(2)
+    with count_comm() as log, fsdp:
+        loss_of(pmodel(*inputs)).backward()
+    loss_of(ref(*inputs)).backward()
+    return {"graph": log.calls, "fsdp": fsdp.calls, "sent": log.total_bytes + sum(b for _, b in fsdp.calls),
+            "grad": max(max_diff(p.grad.full_tensor(), q.grad) for p, q in zip(pmodel.parameters(), ref.parameters())),
+            "grad_scale": max(q.grad.abs().max().item() for q in ref.parameters())}
+
+
+def test_fsdp_alone_sums_the_weights_gradients_over_the_data_axis(ranks4):
+    """No in-graph all-reduce on the data axis beside FSDP's: two gathers and one reduce-scatter per
+    step, the bytes the plan predicts, and the single device's gradients."""
+    plan = plan_json("mixer", {"data": 2, "tensor": 2}, 0.3, data_parallel="fsdp")
+    for r in ranks4.run(_fsdp_step, plan):
+        assert not [c for c in r["graph"] if c[1] == "data" and c[0] in ("all_reduce", "reduce_scatter")], r["graph"]
+        assert [kind for kind, _ in r["fsdp"]] == ["all_gather", "all_gather", "reduce_scatter"], r["fsdp"]
+        assert r["sent"] == Plan.from_json(plan).comm_bytes, r
+        assert r["grad"] <= 64 * 2.0**-52 * r["grad_scale"], r

@@ -119,6 +119,9 @@ class MemoryModel:
     kept_lin: dict[int, int] = field(default_factory=dict)
     kept_maxes: dict[int, int] = field(default_factory=dict)
     kept_pairs: dict[int, int] = field(default_factory=dict)
+    # Activations no reader saves, from their producer to their last reader: index into lin -> node
+    # (what a selective policy's cache holds until the layer's backward).
+    unsaved_lin: dict[int, int] = field(default_factory=dict)
     _ids: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -288,7 +291,7 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
                         for n in nodes)
     savers: dict[int, list[Member]] = {}
     for k, node in enumerate(nodes):
-        saved = _saved(node, training and grad.get(node.name, False))
+        saved = _saved(node, training and grad.get(node.name, False), grad)
         is_output = node.op == "output"
         for j, (src, o) in enumerate(tensor_inputs(node)):
             i = index[src]
@@ -352,8 +355,10 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
                         model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(first_read[i]), 1.0))
                     model.lin.append(LinearItem(i, v, last_grad_read[i], end, pm.grad))
             continue
-        model.lin.append(LinearItem(i, v, fwd(i), last_read[i], 1.0))
         saved_by = savers.get(i, [])
+        if not saved_by:
+            model.unsaved_lin[len(model.lin)] = i
+        model.lin.append(LinearItem(i, v, fwd(i), last_read[i], 1.0))
         if saved_by:
             first = min(k for k, _, _ in saved_by)
             if len(saved_by) == 1:
@@ -374,7 +379,7 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
     return model
 
 
-def _saved(node: Node, backward: bool) -> Saved:
+def _saved(node: Node, backward: bool, grad: dict[str, bool]) -> Saved:
     if not backward or node.op != "call_function":
         return Saved()
-    return saved_for_backward(node)
+    return saved_for_backward(node, lambda arg: grad.get(arg.name, False))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -80,23 +81,27 @@ class Saved:
     extra: float = 0.0
 
 
-def saved_for_backward(node: Node) -> Saved:
-    """What `node` saves for backward when its floating inputs need gradients."""
+def saved_for_backward(node: Node, needs_grad: Callable[[Node], bool] = lambda arg: True) -> Saved:
+    """What `node` saves for backward when its floating inputs for which `needs_grad` holds need gradients.
+
+    Which inputs need gradients matters: `q * cos` saves `cos` for q's gradient, and `q` only if
+    `cos` needs one too.
+    """
     if node.op != "call_function" or is_view(node):
         return Saved()
     if node.target in ATTENTION:
         q = node.args[0].meta["val"]
         return Saved(frozenset({0, 1, 2}), frozenset({0}), extra=4 / (q.shape[-1] * q.dtype.itemsize))
-    return _probe(node.target, _signature(node.args), _signature(node.kwargs))
+    return _probe(node.target, _signature(node.args, needs_grad), _signature(node.kwargs, needs_grad))
 
 
-def _signature(tree):
-    """A hashable description of arguments: tensors by shape, dtype and stride."""
+def _signature(tree, needs_grad: Callable[[Node], bool]):
+    """A hashable description of arguments: tensors by shape, dtype, stride and whether they need a gradient."""
     def one(a):
         if isinstance(a, Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                return ("T", tuple(v.shape), v.dtype, tuple(v.stride()))
+                return ("T", tuple(v.shape), v.dtype, tuple(v.stride()), needs_grad(a))
             return ("V", v if isinstance(v, (int, float, bool)) else None)
         if isinstance(a, (list, tuple)):
             return ("L", tuple(one(x) for x in a))
@@ -110,9 +115,9 @@ def _signature(tree):
 def _rebuild(sig):
     kind, *rest = sig
     if kind == "T":
-        shape, dtype, stride = rest
+        shape, dtype, stride, grad = rest
         t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        return t.requires_grad_() if carries_grad(dtype) else t
+        return t.requires_grad_() if grad and carries_grad(dtype) else t
     if kind == "L":
         return [_rebuild(s) for s in rest[0]]
     return rest[0]

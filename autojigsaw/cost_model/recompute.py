@@ -4,7 +4,8 @@ A recomputed layer keeps its input and drops what its nodes saved for backward a
 its forward; at the start of its backward it runs its forward again, so those activations
 come back for the layer's backward only. "full" recomputes every node of the layer (its
 collectives too); "selective" keeps matmul and attention outputs and recomputes the rest, and
-keeps the outputs of collectives (torchtitan's op-level policy). Items are split, not
+keeps the outputs of collectives (torchtitan's op-level policy); its cache holds those outputs
+until the layer's backward even where no reader saves them. Items are split or extended, not
 re-derived: the memory model stays the one the solver already trusts.
 """
 
@@ -96,7 +97,17 @@ def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[froze
         return [x for x in (replace_span(item, item.start, end_fwd), replace_span(item, start_bwd, item.end))
                 if x.start <= x.end]
 
-    lin = [piece for k, item in enumerate(memory.lin) for piece in split(item, memory.kept_lin.get(k))]
+    # selective checkpointing caches the outputs of the ops it keeps until the layer's backward
+    # recomputes it, whether or not a reader saves them (a saved one is held that long already)
+    cached = {i: j for j, d in enumerate(dropped) if d and not d <= resaved
+              for i in layers[j].nodes if i not in d}
+
+    def held(item, node: int | None):
+        j = cached.get(node) if node is not None else None
+        return item if j is None else item._replace(end=max(item.end, gap[j][1]))
+
+    lin = [piece for k, item in enumerate(memory.lin)
+           for piece in split(held(item, memory.unsaved_lin.get(k)), memory.kept_lin.get(k))]
     maxes = [piece for k, item in enumerate(memory.maxes) for piece in split(item, memory.kept_maxes.get(k))]
     pairs = [piece for k, item in enumerate(memory.pairs)
              for piece in (split(item, memory.kept_pairs.get(k)) if memory.kept_pairs.get(k) in resaved else [item])]

@@ -5,7 +5,8 @@ sums to it over the axis ("P") -- see kernels/collectives.py. A reader whose out
 sharded or partial on the axis hands back "P"; one whose output stays replicated passes
 on its own output's kind; the model output seeds "R". A value takes "P" as soon as one
 reader returns "P": the sum is then formed once, where the value was made -- a gather
-becomes gather/reduce-scatter, a parameter gets one all-reduce (as DDP does) -- and
+becomes gather/reduce-scatter, a parameter gets one all-reduce (as DDP does; on an FSDP axis
+FSDP's reduce-scatter sums it instead) -- and
 readers that return "R" are masked to rank 0. One exception, Megatron's: an op with replicated
 parameters (a norm) whose partial gradient would only be summed upstream by the all-reduces that
 made its input sums it at its own output, so its parameters need no all-reduce of their own.
@@ -34,11 +35,13 @@ COLLECTIVES = {C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.sha
                C.to_partial, C.grad_all_reduce, C.grad_mask}
 
 
-def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str]) -> None:
+def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str], *,
+                   fsdp_axis: int | None = None) -> None:
     """Set `grad=` on every collective, insert gradient masks and all-reduces (in place).
 
     `sources`: names of the placeholders whose gradient is wanted (parameters, inputs);
-    `params`: those that are parameters.
+    `params`: those that are parameters; `fsdp_axis`: the mesh axis over which FSDP
+    reduce-scatters the parameters' gradients itself (their partial sums are left to it).
     """
     graph = gm.graph
     grad = needs_grad(gm, sources)
@@ -54,6 +57,10 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str]) -
                 kinds[(node, idx, a)] = GradKind.P if GradKind.P in said[a].values() else GradKind.R
             if not multi:  # a tuple's readers are getitems, which settle themselves
                 _agree(graph, node, {a: (kinds[(node, idx, a)], said[a]) for a in axes}, rank)
+                if node.op == "placeholder":
+                    summed_by_fsdp = fsdp_axis if node.name in params else None
+                    _sum_gradient_at(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P
+                                                   and a != summed_by_fsdp], rank)
                 _settle_before_parameters(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P],
                                           kinds, grad, params, rank)
         if multi:
@@ -139,8 +146,6 @@ def _agree(graph: Graph, node: Node, decided: dict, rank) -> None:
         if key not in shared:
             shared[key] = _chain(graph, node, [(C.grad_mask, a, {"coord": rank.coord[a]}) for a in axes])
         u.replace_input_with(node, shared[key])
-    if node.op == "placeholder":
-        _sum_gradient_at(graph, node, [a for a, (kind, _) in decided.items() if kind == GradKind.P], rank)
 
 
 def _sum_gradient_at(graph: Graph, node: Node, axes: list[int], rank) -> None:

@@ -22,6 +22,7 @@ from ..mesh import RankView
 from ..placements import Placements
 from ..plan import Plan
 from ..strategies.dtensor_rules import local_call
+from ..training import data_axis
 from .fuse import fuse_collectives
 from .grad_kinds import set_grad_kinds
 
@@ -68,7 +69,8 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         env[node] = new
     gm = GraphModule(captured.gm, graph)
     if training:
-        set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params))
+        set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params),
+                       fsdp_axis=data_axis(plan.mesh) if plan.data_parallel == "fsdp" else None)
     fuse_collectives(gm)
     gm.recompile()
     return gm

@@ -12,12 +12,16 @@ from ..training import Regime, data_axis
 def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, mp_policy=None) -> None:
     """`fully_shard` over the data axis with the run's mixed precision (nothing without FSDP or a data axis).
 
-    The graph sums the weights' gradients over the data axis itself, so FSDP's reduce-scatter
-    averages equal sums: the gradients are the single-device ones.
+    The graph leaves each rank's contribution to the weights' gradients unsummed over the data
+    axis, so FSDP's reduce-scatter sums them (no division): the gradients are the single-device
+    ones, sent once. The weights are gathered for the forward and again for the backward, as
+    the plan prices them.
     """
     axis = data_axis(MeshSpec.of(device_mesh))
     if not regime.fsdp or axis is None or device_mesh.mesh.shape[axis] == 1:
         return
     kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
     fully_shard(module, mesh=device_mesh, dp_mesh_dims=DataParallelMeshDims(shard=device_mesh.mesh_dim_names[axis]),
-                **kwargs)
+                reshard_after_forward=True, **kwargs)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,36 @@
+"""The training regime on a plan: its precision, recomputed layers and data parallelism, and FSDP's traffic."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ..capture import Captured
+from ..placements import local_shape
+from ..plan import Plan
+from .estimate import CostContext
+from .recompute import repeated_layers
+
+
+def with_regime(plan: Plan, ctx: CostContext, recomputed) -> Plan:
+    """The plan labelled with the regime it is made for (the rewrite reads its data-parallel mode)."""
+    return replace(plan, precision=ctx.regime.precision.describe(), recompute=tuple(recomputed),
+                   data_parallel=ctx.regime.data_parallel)
+
+
+def with_fsdp_traffic(plan: Plan, captured: Captured, ctx: CostContext) -> Plan:
+    """The plan with FSDP's traffic on the data axis: its bytes, and its time less what compute hides
+    (a layer's gathers are prefetched during the layer before; the first is not). FSDP alone sums
+    the weights' gradients over that axis: the rewritten graph leaves them to it."""
+    values = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.name in captured.params}
+    fsdp_s, fsdp_bytes = 0.0, 0
+    for name in captured.params:
+        local = local_shape(tuple(values[name].shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
+        s, b = ctx.fsdp_comm(math.prod(local) * values[name].dtype.itemsize, values[name].dtype.itemsize)
+        fsdp_s, fsdp_bytes = fsdp_s + float(s), fsdp_bytes + int(b)
+    if not fsdp_s:
+        return plan
+    compute = sum(n.compute_s for n in plan.nodes if n.kind != "param")
+    layers = max(len(repeated_layers(list(captured.gm.graph.nodes), captured.params)), 1)
+    step = plan.step_time - fsdp_s + max(fsdp_s - compute, fsdp_s / layers)
+    return replace(plan, step_time=step, comm_bytes=plan.comm_bytes + fsdp_bytes)
