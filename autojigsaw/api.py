@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.distributed.tensor import Replicate
 
-from .capture import Captured, capture
+from .capture import Captured, at_sizes, capture
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
 from .cost_model.recompute import repeated_layers
@@ -31,6 +32,7 @@ from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
 from .planner.recompute import solve_with_recompute, with_layers_recomputed
+from .planner.reuse import plan_at_shapes
 from .rewrite.recompute import checkpoint_layers
 from .rewrite.rewrite import rewrite
 from .rewrite.traffic import traffic_by_origin
@@ -41,6 +43,8 @@ from .runtime.module import ParallelModule, Program
 from .strategies.annotate import annotate
 from .strategies.data_pins import data_pins
 from .training import Precision, Regime, data_axis
+
+log = logging.getLogger("autojigsaw")
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
          input_placements: Sequence[Placements | None] | None = None,
          output_placements: Sequence[Placements] | None = None,
          example_kwargs: Mapping | None = None, tie_layers: bool | None = None, mp_policy=None,
-         activation_checkpointing: str = "none", data_parallel: str | None = None) -> Plan:
+         activation_checkpointing: str = "none", data_parallel: str | None = None, dynamic: bool = False) -> Plan:
     """Plan `model` on `mesh` (a DeviceMesh or e.g. {"domain": 8, "tensor": 8}); runs nothing.
 
     No process group is needed and the model may live on the meta device. `device` names a
@@ -102,7 +106,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
     regime = regime_of(mesh, device, mp_policy, activation_checkpointing, data_parallel)
     options = Options(device, training, memory_budget, optimizer, input_placements, output_placements, tie_layers,
                       regime)
-    captured = capture_for(model, tuple(example_inputs), dict(example_kwargs or {}), regime)
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    symbolic = _symbolic(model, args, kwargs, regime) if dynamic else None
+    captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
     return plan_captured(captured, mesh, options)
 
 
@@ -111,7 +117,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
                 input_placements: Sequence[Placements | None] | None = None,
                 output_placements: Sequence[Placements] | None = None, example_kwargs: Mapping | None = None,
                 plan: Plan | None = None, mp_policy=None, activation_checkpointing: str = "none",
-                data_parallel: str | None = None) -> ParallelModule:
+                data_parallel: str | None = None, dynamic: bool = False) -> ParallelModule:
     """Shard `model` over `mesh` (a named DeviceMesh) by a plan; returns the module to train.
 
     With example_inputs=None the model is planned at its first call, like torch.compile; a call
@@ -136,7 +142,11 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
         memory_budget = default_budget(mesh)
     options = Options(device, training, memory_budget, input_placements=input_placements,
                       output_placements=output_placements, regime=regime)
-    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile)
+    if dynamic and input_placements is not None:
+        raise ValueError("dynamic=True serves a range of whole-input shapes, but input_placements makes the "
+                         "caller pass local shards of one shape: drop one of the two")
+    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile,
+                              dynamic=dynamic)
     module = ParallelModule(model, mesh, build, plan=plan, local_inputs=input_placements is not None,
                             local_outputs=output_placements is not None)
     if example_inputs is not None:
@@ -149,17 +159,24 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
 
 
 def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
-             options: Options, compile: bool, pinned: dict[str, Placements] | None = None) -> Program:
+             options: Options, compile: bool, dynamic: bool = False, pinned: dict[str, Placements] | None = None,
+             reuse: Program | None = None) -> Program:
     """One rank's program: capture, plan (unless given), materialize its shards, rewrite, compile.
 
     `pinned` (parameter FQN -> placements): the model is sharded already and is planned again for
     new input shapes with its parameters where they are, so the optimizer's DTensors stay valid.
+    `dynamic`: capture with symbolic sizes (Program.symbolic) so that the plan serves their range;
+    `reuse`: such a program whose range holds these inputs: its plan, where legal at these sizes.
     """
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
-    captured = capture_for(model, args, kwargs, options.regime)
+    symbolic = reuse.symbolic if reuse is not None else _symbolic(model, args, kwargs, options.regime) if dynamic else None
+    captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, options.regime)
     facts, failed = _facts(captured), None
     try:
+        if reuse is not None:
+            plan = _reused(captured, reuse.plan)
+            symbolic = symbolic if plan is not None else None
         if plan is None:
             pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
             plan = plan_captured(captured, mesh, options, pins)
@@ -178,7 +195,35 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
     gm = checkpoint_layers(gm, captured, plan)
     return Program(captured, plan, rank, gm, torch.compile(gm, fullgraph=True) if compile else gm,
-                   options.regime.precision)
+                   options.regime.precision, symbolic)
+
+
+def _symbolic(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime) -> Captured | None:
+    """The model captured with symbolic input sizes (dynamic=True), or None, logged, where export
+    keeps no size symbolic or cannot capture the model so."""
+    precision = regime.precision
+    try:
+        symbolic = capture(model, args, kwargs, param_dtype=precision.param_dtype if precision.mixed else None,
+                           dynamic=True)
+    except ValueError as e:
+        log.info("autojigsaw: dynamic=True: %s; planning once per input shape instead", str(e).splitlines()[0])
+        return None
+    if not symbolic.shapes.symbolic:
+        log.info("autojigsaw: dynamic=True: torch.export fixed every input size of %s (its code depends on "
+                 "them); planning once per input shape instead", type(model).__name__)
+        return None
+    log.info("autojigsaw: dynamic=True: one plan for inputs %s", symbolic.shapes)
+    return symbolic
+
+
+def _reused(captured: Captured, plan: Plan) -> Plan | None:
+    """`plan` at the captured sizes, or None, logged, where a decision does not apply there."""
+    try:
+        return plan_at_shapes(captured, plan)
+    except ValueError as e:
+        log.info("autojigsaw: dynamic=True: the plan does not apply to input shapes %s (%s); planning them "
+                 "with the parameters as placed", captured.input_shapes, e)
+        return None
 
 
 def _facts(captured: Captured) -> dict[str, str]:

@@ -48,6 +48,7 @@ class Program:
     graph: GraphModule
     run: Callable
     precision: Precision = Precision()
+    symbolic: Captured | None = None  # with dynamic=True: the graph at symbolic sizes, its plan serves their range
 
 
 class ParallelModule(nn.Module):
@@ -82,11 +83,19 @@ class ParallelModule(nn.Module):
         """Plan (unless a plan was given), shard and compile for inputs like `args`, `kwargs`.
 
         Called again for inputs of another shape, it plans that shape with the parameters kept
-        where they are (the optimizer's DTensors stay valid) and keeps both programs.
+        where they are (the optimizer's DTensors stay valid) and keeps both programs; a shape in
+        the range of a dynamic program (parallelize(dynamic=True)) gets that program's plan.
         """
         key = self._key(args, kwargs)
+        serving = next((p for p in self._programs.values() if p.symbolic and p.symbolic.shapes.admits(args, kwargs)),
+                       None)
         if not self._programs:
             program = self._make(self._model, args, kwargs)
+        elif serving is not None:
+            log.info("autojigsaw: input shapes %s run with the plan of %s (dynamic=True)", key[1],
+                     serving.symbolic.shapes)
+            program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements,
+                                 reuse=serving)
         else:
             log.info("autojigsaw: planning again for input shapes %s (parameters stay as placed)", key[1])
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements)
