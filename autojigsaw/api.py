@@ -89,18 +89,34 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
          activation_checkpointing: str = "none", data_parallel: str | None = None, dynamic: bool = False) -> Plan:
     """Plan `model` on `mesh` (a DeviceMesh or e.g. {"domain": 8, "tensor": 8}); runs nothing.
 
-    No process group is needed and the model may live on the meta device. `device` names a
-    spec ("h100", "h100-96gb", "h200", "a100", "cpu"; "h100+compile" for a compiled step) or is
-    one (autojigsaw.calibrate); `memory_budget` is bytes per rank, by default 90 % of the
-    device's memory. `tie_layers` gives repeated layers one shared strategy per node (None:
-    for big problems only; smaller ones get the exact optimum over every node's choice).
-    `mp_policy`: torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32
-    masters, gradient sums in reduce_dtype). `activation_checkpointing`: "none", "selective",
-    "full", or "auto" (the planner chooses per layer, with the sharding, under the budget).
-    `data_parallel`: "fsdp" or "ddp" on a mesh axis named "data"/"dp" (default "fsdp" there).
+    No process group is needed and the model may live on the meta device. Returns a Plan:
+    print it, save it (`to_json`), or pass it to `parallelize(plan=...)`.
 
-        plan = autojigsaw.plan(model, (x,), {"domain": 8, "tensor": 8}, device="h100")
-        print(plan)
+    - `example_inputs`: the positional inputs of one call (tensors, may be `stand_in`s);
+      `example_kwargs`: its keyword inputs. The plan is priced at their shapes.
+    - `device`: a spec name, "h100", "h100-96gb", "h200", "a100", "cpu" (= "cpu-gloo"); add "+compile" ("h100+compile") for a torch.compile'd step, or a DeviceSpec (autojigsaw.calibrate).
+    - `training`: price forward + backward + optimizer step (True) or forward only (False).
+    - `memory_budget`: bytes per rank; None: 90 % of the device's memory.
+    - `optimizer`: its state is priced: "adam", "adamw", "sgd", "momentum", "rmsprop",
+      "adagrad".
+    - `input_placements` / `output_placements`: one entry per input / output tensor, a tuple
+      of DTensor placements with one per mesh axis (e.g. `(Shard(0), Replicate())`), or None
+      to let autojigsaw choose; the whole list None: autojigsaw chooses every one.
+    - `tie_layers`: repeated layers get one shared strategy per node (None: for big problems
+      only; smaller ones get the exact optimum over every node's choice).
+    - `mp_policy`: torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32
+      masters, gradient sums in reduce_dtype); None: the model's dtype throughout.
+    - `activation_checkpointing`: "none", "selective", "full", or "auto" (the planner
+      chooses per layer, with the sharding, under the budget).
+    - `data_parallel`: "fsdp" or "ddp" on a mesh axis named "data"/"dp" (default "fsdp"
+      there); no other axis name has a role: `domain` and `tensor` are labels.
+    - `dynamic`: capture with symbolic sizes (torch.export `Dim.AUTO`) for
+      `parallelize(dynamic=True, plan=...)`; the plan is still priced at the example's shape.
+
+        import autojigsaw, torch
+        plan = autojigsaw.plan(model, (torch.randn(8, 1024, 512),), {"domain": 8, "tensor": 8},
+                               device="h100", memory_budget=60 * 2**30)
+        print(plan)  # the table, the predicted seconds per step, bytes per rank
     """
     mesh = MeshSpec.of(mesh)
     regime = regime_of(mesh, device, mp_policy, activation_checkpointing, data_parallel)
@@ -118,18 +134,41 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
                 output_placements: Sequence[Placements] | None = None, example_kwargs: Mapping | None = None,
                 plan: Plan | None = None, mp_policy=None, activation_checkpointing: str = "none",
                 data_parallel: str | None = None, dynamic: bool = False) -> ParallelModule:
-    """Shard `model` over `mesh` (a named DeviceMesh) by a plan; returns the module to train.
+    """Shard `model` over `mesh` (a DeviceMesh with named axes) by a plan; returns the module to train.
 
-    With example_inputs=None the model is planned at its first call, like torch.compile; a call
-    with other input shapes is planned again with the parameters kept in place. Options as for
-    `autojigsaw.plan`; `memory_budget` (bytes per rank) defaults to 90 % of this rank's free
-    device memory. `plan=` applies a given Plan (its recomputation and data-parallel mode
-    included). `input_placements`: one entry per input, a tuple of DTensor placements, one per
-    mesh axis (e.g. `[(Shard(2), Shard(2))]`), or None to let autojigsaw choose; given, the
-    caller passes this rank's shards. Parameters of the result are DTensors.
+    Every rank calls it with the same model and inputs. Parameters of the result are DTensors
+    (optimizers, clip_grad_norm_ and torch.distributed.checkpoint work unchanged); it takes
+    whole inputs and returns whole outputs unless told otherwise.
 
+    - `example_inputs` / `example_kwargs`: one call's inputs, planned for now; None: planned
+      at the first call, like torch.compile. A call with other input shapes is planned again
+      with the parameters kept in place (one plan per shape, cached).
+    - `compile`: torch.compile the rewritten graph (fullgraph).
+    - `training`: plan and run forward + backward (True) or forward only.
+    - `memory_budget`: bytes per rank; None: this rank's free device memory (on CPU the host
+      memory divided by the local ranks).
+    - `device`: the spec the plan is priced on, "h100", "h100-96gb", "h200", "a100", "cpu" (= "cpu-gloo"); add "+compile" ("h100+compile") for a torch.compile'd step, or a DeviceSpec;
+      None: from the mesh's device type.
+    - `input_placements`: one entry per input, a tuple of DTensor placements with one per
+      mesh axis (e.g. `[(Shard(2), Shard(2))]`), or None to let autojigsaw choose; given, the
+      caller passes this rank's shards. `output_placements`: likewise for the outputs, which
+      then come back as this rank's shards.
+    - `plan`: apply this Plan (from `autojigsaw.plan` or `Plan.from_json`) instead of planning;
+      its recomputation and data-parallel mode included.
+    - `mp_policy`, `activation_checkpointing`, `data_parallel`: as for `autojigsaw.plan`
+      (MixedPrecisionPolicy or None; "none" | "selective" | "full" | "auto"; "fsdp" | "ddp"
+      on an axis named "data"/"dp").
+    - `dynamic`: one plan for every size torch.export can keep symbolic (batch, sequence):
+      the model is captured once with `Dim.AUTO`, planned at the example inputs' shape (give
+      the largest you will run: it prices memory), and other sizes in the range run with the
+      same plan without planning; a size the plan cannot split is planned again, and a model
+      export cannot capture so is planned per shape (one log line says why). With `plan=`,
+      give a plan made by `autojigsaw.plan(..., dynamic=True)`.
+
+        import autojigsaw, torch
+        from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("domain", "tensor"))
-        pmodel = autojigsaw.parallelize(model, mesh, (x,))
+        pmodel = autojigsaw.parallelize(model, mesh, (x,), memory_budget=60 * 2**30)
         opt = torch.optim.AdamW(pmodel.parameters())
         pmodel(x).square().mean().backward(); opt.step()
     """
@@ -270,8 +309,14 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
              optimizer: str | Optimizer = "adam", example_kwargs: Mapping | None = None, mp_policy=None) -> Plan:
     """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans.
 
-    The plan's recomputed layers (`plan.recompute`, editable) and data-parallel mode are priced
-    as given; `mp_policy` as in `plan`.
+    `model`, `example_inputs` and `example_kwargs` are those the plan was made for; `device` a
+    spec name ("h100", "h100-96gb", "h200", "a100", "cpu" (= "cpu-gloo"); add "+compile" ("h100+compile") for a torch.compile'd step) or a DeviceSpec; `optimizer` as in `autojigsaw.plan`. The
+    plan's recomputed layers (`plan.recompute`, editable) and data-parallel mode are priced as
+    given; `mp_policy` as in `plan`. Returns the plan with new step_time (seconds),
+    memory_per_rank and comm_bytes (bytes).
+
+        on_a100 = autojigsaw.evaluate(plan, model, (x,), device="a100")
+        print(on_a100.step_time, on_a100.memory_per_rank)
     """
     regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel)
     captured = capture_for(model, tuple(example_inputs), dict(example_kwargs or {}), regime)

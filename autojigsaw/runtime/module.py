@@ -54,10 +54,15 @@ class Program:
 class ParallelModule(nn.Module):
     """A model sharded over a DeviceMesh by a Plan; call it like the original model.
 
+    Made by `autojigsaw.parallelize`, not by hand: `model` is the user's model, `device_mesh`
+    the DeviceMesh, `plan` a given Plan (None: planned), `.plan` the Plan in use.
     `build(model, args, kwargs)` makes the Program (autojigsaw.api's recipe), at construction or
     at the first call; `local_inputs`: the caller passes this rank's shards of the inputs;
     `local_outputs`: the caller asked for output placements and gets this rank's shards (otherwise
     an output the plan leaves sharded, such as logits beside a loss, comes back as a DTensor).
+
+        pmodel = autojigsaw.parallelize(model, mesh, (x,))  # an autojigsaw.ParallelModule
+        print(pmodel.plan); pmodel(x).sum().backward()
     """
 
     def __init__(self, model: nn.Module, device_mesh, build: Callable[[nn.Module, tuple, dict], Program], *,
