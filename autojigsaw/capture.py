@@ -123,7 +123,12 @@ def at_sizes(symbolic: Captured, args: tuple, kwargs: dict | None = None) -> Cap
             with mode:
                 feeds.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device))
     output_meta = dict(graph.output_node().meta)
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*feeds)
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*feeds)
+    except Exception as e:  # noqa: BLE001 - the model's own shape error, from whichever op
+        shapes = [tuple(x.shape) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        raise ValueError(f"the model cannot run inputs of shapes {shapes}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0]}; pass inputs of sizes it accepts") from e
     graph.output_node().meta = output_meta  # as export leaves it: the output node holds no value
     for node in list(graph.nodes):  # sizes, their arithmetic and the checks on them become constants
         val = node.meta.get("val")
