@@ -94,7 +94,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
 
     - `example_inputs`: the positional inputs of one call (tensors, may be `stand_in`s);
       `example_kwargs`: its keyword inputs. The plan is priced at their shapes.
-    - `device`: a spec name, "h100", "h100-96gb", "h200", "a100", "cpu" (= "cpu-gloo"); add "+compile" ("h100+compile") for a torch.compile'd step, or a DeviceSpec (autojigsaw.calibrate).
+    - `device`: a spec name, "h100", "h100-96gb", "h200", "a100" or "cpu" (= "cpu-gloo"), with
+      "+compile" for a torch.compile'd step ("h100+compile"); or a DeviceSpec (autojigsaw.calibrate).
     - `training`: price forward + backward + optimizer step (True) or forward only (False).
     - `memory_budget`: bytes per rank; None: 90 % of the device's memory.
     - `optimizer`: its state is priced: "adam", "adamw", "sgd", "momentum", "rmsprop",
@@ -147,8 +148,9 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     - `training`: plan and run forward + backward (True) or forward only.
     - `memory_budget`: bytes per rank; None: this rank's free device memory (on CPU the host
       memory divided by the local ranks).
-    - `device`: the spec the plan is priced on, "h100", "h100-96gb", "h200", "a100", "cpu" (= "cpu-gloo"); add "+compile" ("h100+compile") for a torch.compile'd step, or a DeviceSpec;
-      None: from the mesh's device type.
+    - `device`: the spec the plan is priced on, as for `autojigsaw.plan` ("h100", "h100-96gb",
+      "h200", "a100", "cpu", "+compile" appended for a compiled step) or a DeviceSpec; None: the
+      mesh's device (the GPU's name on CUDA).
     - `input_placements`: one entry per input, a tuple of DTensor placements with one per
       mesh axis (e.g. `[(Shard(2), Shard(2))]`), or None to let autojigsaw choose; given, the
       caller passes this rank's shards. `output_placements`: likewise for the outputs, which
@@ -209,7 +211,10 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     """
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
-    symbolic = reuse.symbolic if reuse is not None else _symbolic(model, args, kwargs, options.regime) if dynamic else None
+    if reuse is not None:
+        symbolic = reuse.symbolic
+    else:
+        symbolic = _symbolic(model, args, kwargs, options.regime) if dynamic else None
     captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, options.regime)
     facts, failed = _facts(captured), None
     try:
@@ -310,10 +315,10 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans.
 
     `model`, `example_inputs` and `example_kwargs` are those the plan was made for; `device` a
-    spec name ("h100", "h100-96gb", "h200", "a100", "cpu" (= "cpu-gloo"); add "+compile" ("h100+compile") for a torch.compile'd step) or a DeviceSpec; `optimizer` as in `autojigsaw.plan`. The
-    plan's recomputed layers (`plan.recompute`, editable) and data-parallel mode are priced as
-    given; `mp_policy` as in `plan`. Returns the plan with new step_time (seconds),
-    memory_per_rank and comm_bytes (bytes).
+    spec name ("h100", "h100-96gb", "h200", "a100", "cpu"; "h100+compile" for a compiled step)
+    or a DeviceSpec; `optimizer` as in `autojigsaw.plan`. The plan's recomputed layers
+    (`plan.recompute`, editable) and data-parallel mode are priced as given; `mp_policy` as in
+    `plan`. Returns the plan with new step_time (seconds), memory_per_rank and comm_bytes (bytes).
 
         on_a100 = autojigsaw.evaluate(plan, model, (x,), device="a100")
         print(on_a100.step_time, on_a100.memory_per_rank)
