@@ -104,20 +104,24 @@ def at_sizes(symbolic: Captured, args: tuple, kwargs: dict | None = None) -> Cap
     for node in symbolic.gm.graph.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     gm = GraphModule(symbolic.gm, graph)
+    renamed = {old.name: new.name for old, new in env.items()}  # the copy renames what shadows a builtin ("input")
+    params, buffers = ({renamed[k]: v for k, v in table.items()} for table in (symbolic.params, symbolic.buffers))
+    constants = {renamed[k]: v for k, v in symbolic.constants.items()}
+    inputs = [renamed[name] for name in symbolic.inputs]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     users = iter(pytree.tree_leaves((tuple(args), kwargs or {})))
     feeds = []
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
-        if node.name in symbolic.inputs:
+        if node.name in inputs:
             x = next(users)
             if isinstance(x, torch.Tensor):
                 with mode:  # in the dtype the graph computes in (mixed precision casts floating inputs)
                     x = mode.from_tensor(x).to(node.meta["val"].dtype)
             feeds.append(x)
-        elif node.name in symbolic.constants:
-            feeds.append(mode.from_tensor(symbolic.constants[node.name]))
+        elif node.name in constants:
+            feeds.append(mode.from_tensor(constants[node.name]))
         else:  # parameters and buffers: their sizes are the model's, never symbolic
             val = node.meta["val"]
             with mode:
@@ -131,6 +135,7 @@ def at_sizes(symbolic: Captured, args: tuple, kwargs: dict | None = None) -> Cap
                          f"{str(e).splitlines()[0]}; pass inputs of sizes it accepts") from e
     graph.output_node().meta = output_meta  # as export leaves it: the output node holds no value
     for node in list(graph.nodes):  # sizes, their arithmetic and the checks on them become constants
+        node.meta.pop("tensor_meta", None)  # export's, of symbolic sizes
         val = node.meta.get("val")
         if node.op == "call_function" and (val is None or isinstance(val, (int, float, bool))):
             for user in list(node.users):
@@ -139,7 +144,7 @@ def at_sizes(symbolic: Captured, args: tuple, kwargs: dict | None = None) -> Cap
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
-    return replace(symbolic, gm=gm, shapes=None)
+    return replace(symbolic, gm=gm, params=params, buffers=buffers, constants=constants, inputs=inputs, shapes=None)
 
 
 @dataclass(frozen=True)

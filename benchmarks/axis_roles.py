@@ -135,7 +135,7 @@ def main() -> None:
         for name in args.models.split(","):
             t0 = time.perf_counter()
             rows.append(plan_both(name, MESHES[mesh]))
-            print(f"{name} {mesh}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(f"{rows[-1]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(tabulate(rows, headers=["model", "mesh", "labels MiB sent", "labels ms", "labels MiB held",
                                   "roles MiB sent", "roles ms", "roles MiB held", "bytes roles/labels",
                                   "time roles/labels", "unfiltered"], tablefmt="github"))
