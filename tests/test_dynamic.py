@@ -6,7 +6,6 @@ included), never planned again, and give the single-device numbers.
 
 import copy
 import logging
-import time
 
 import torch
 
@@ -46,8 +45,8 @@ def _dynamic_run(name: str, budget: int) -> dict:
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logger = logging.getLogger("autojigsaw")
+    level = logger.level
     logger.addHandler(handler), logger.setLevel(logging.INFO)
-    t0 = time.perf_counter()
     try:
         pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (batches[0],),
                                         compile=False, memory_budget=budget, dynamic=True)
@@ -67,10 +66,9 @@ def _dynamic_run(name: str, budget: int) -> dict:
             opt.zero_grad(), ref_opt.zero_grad()
     finally:
         autojigsaw.api.plan_captured = planned
-        logger.removeHandler(handler)
+        logger.removeHandler(handler), logger.setLevel(level)
     moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), start))
     step = max((p.full_tensor() - q).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters())) / moved
-    print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
     return {"errors": errors, "step": step, "plans": len(plans), "programs": len(pmodel._programs),
             "reused": sum("run with the plan of" in r for r in records),
             "decisions": len({p.plan.fingerprint() for p in pmodel._programs.values()}),
