@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -16,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.distributed.tensor import Replicate
 
-from .capture import Captured, capture
+from .capture import Captured, at_sizes, capture
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
 from .cost_model.recompute import repeated_layers
@@ -31,6 +32,7 @@ from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
 from .planner.recompute import solve_with_recompute, with_layers_recomputed
+from .planner.reuse import plan_at_shapes
 from .rewrite.recompute import checkpoint_layers
 from .rewrite.rewrite import rewrite
 from .rewrite.traffic import traffic_by_origin
@@ -41,6 +43,8 @@ from .runtime.module import ParallelModule, Program
 from .strategies.annotate import annotate
 from .strategies.data_pins import data_pins
 from .training import Precision, Regime, data_axis
+
+log = logging.getLogger("autojigsaw")
 
 
 @dataclass(frozen=True)
@@ -82,27 +86,46 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
          input_placements: Sequence[Placements | None] | None = None,
          output_placements: Sequence[Placements] | None = None,
          example_kwargs: Mapping | None = None, tie_layers: bool | None = None, mp_policy=None,
-         activation_checkpointing: str = "none", data_parallel: str | None = None) -> Plan:
+         activation_checkpointing: str = "none", data_parallel: str | None = None, dynamic: bool = False) -> Plan:
     """Plan `model` on `mesh` (a DeviceMesh or e.g. {"domain": 8, "tensor": 8}); runs nothing.
 
-    No process group is needed and the model may live on the meta device. `device` names a
-    spec ("h100", "h100-96gb", "h200", "a100", "cpu"; "h100+compile" for a compiled step) or is
-    one (autojigsaw.calibrate); `memory_budget` is bytes per rank, by default 90 % of the
-    device's memory. `tie_layers` gives repeated layers one shared strategy per node (None:
-    for big problems only; smaller ones get the exact optimum over every node's choice).
-    `mp_policy`: torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32
-    masters, gradient sums in reduce_dtype). `activation_checkpointing`: "none", "selective",
-    "full", or "auto" (the planner chooses per layer, with the sharding, under the budget).
-    `data_parallel`: "fsdp" or "ddp" on a mesh axis named "data"/"dp" (default "fsdp" there).
+    No process group is needed and the model may live on the meta device. Returns a Plan:
+    print it, save it (`to_json`), or pass it to `parallelize(plan=...)`.
 
-        plan = autojigsaw.plan(model, (x,), {"domain": 8, "tensor": 8}, device="h100")
-        print(plan)
+    - `example_inputs`: the positional inputs of one call (tensors, may be `stand_in`s);
+      `example_kwargs`: its keyword inputs. The plan is priced at their shapes.
+    - `device`: a spec name, "h100", "h100-96gb", "h200", "a100" or "cpu" (= "cpu-gloo"), with
+      "+compile" for a torch.compile'd step ("h100+compile"); or a DeviceSpec (autojigsaw.calibrate).
+    - `training`: price forward + backward + optimizer step (True) or forward only (False).
+    - `memory_budget`: bytes per rank; None: 90 % of the device's memory.
+    - `optimizer`: its state is priced: "adam", "adamw", "sgd", "momentum", "rmsprop",
+      "adagrad".
+    - `input_placements` / `output_placements`: one entry per input / output tensor, a tuple
+      of DTensor placements with one per mesh axis (e.g. `(Shard(0), Replicate())`), or None
+      to let autojigsaw choose; the whole list None: autojigsaw chooses every one.
+    - `tie_layers`: repeated layers get one shared strategy per node (None: for big problems
+      only; smaller ones get the exact optimum over every node's choice).
+    - `mp_policy`: torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32
+      masters, gradient sums in reduce_dtype); None: the model's dtype throughout.
+    - `activation_checkpointing`: "none", "selective", "full", or "auto" (the planner
+      chooses per layer, with the sharding, under the budget).
+    - `data_parallel`: "fsdp" or "ddp" on a mesh axis named "data"/"dp" (default "fsdp"
+      there); no other axis name has a role: `domain` and `tensor` are labels.
+    - `dynamic`: capture with symbolic sizes (torch.export `Dim.AUTO`) for
+      `parallelize(dynamic=True, plan=...)`; the plan is still priced at the example's shape.
+
+        import autojigsaw, torch
+        plan = autojigsaw.plan(model, (torch.randn(8, 1024, 512),), {"domain": 8, "tensor": 8},
+                               device="h100", memory_budget=60 * 2**30)
+        print(plan)  # the table, the predicted seconds per step, bytes per rank
     """
     mesh = MeshSpec.of(mesh)
     regime = regime_of(mesh, device, mp_policy, activation_checkpointing, data_parallel)
     options = Options(device, training, memory_budget, optimizer, input_placements, output_placements, tie_layers,
                       regime)
-    captured = capture_for(model, tuple(example_inputs), dict(example_kwargs or {}), regime)
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    symbolic = _symbolic(model, args, kwargs, regime) if dynamic else None
+    captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
     return plan_captured(captured, mesh, options)
 
 
@@ -111,19 +134,43 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
                 input_placements: Sequence[Placements | None] | None = None,
                 output_placements: Sequence[Placements] | None = None, example_kwargs: Mapping | None = None,
                 plan: Plan | None = None, mp_policy=None, activation_checkpointing: str = "none",
-                data_parallel: str | None = None) -> ParallelModule:
-    """Shard `model` over `mesh` (a named DeviceMesh) by a plan; returns the module to train.
+                data_parallel: str | None = None, dynamic: bool = False) -> ParallelModule:
+    """Shard `model` over `mesh` (a DeviceMesh with named axes) by a plan; returns the module to train.
 
-    With example_inputs=None the model is planned at its first call, like torch.compile; a call
-    with other input shapes is planned again with the parameters kept in place. Options as for
-    `autojigsaw.plan`; `memory_budget` (bytes per rank) defaults to 90 % of this rank's free
-    device memory. `plan=` applies a given Plan (its recomputation and data-parallel mode
-    included). `input_placements`: one entry per input, a tuple of DTensor placements, one per
-    mesh axis (e.g. `[(Shard(2), Shard(2))]`), or None to let autojigsaw choose; given, the
-    caller passes this rank's shards. Parameters of the result are DTensors.
+    Every rank calls it with the same model and inputs. Parameters of the result are DTensors
+    (optimizers, clip_grad_norm_ and torch.distributed.checkpoint work unchanged); it takes
+    whole inputs and returns whole outputs unless told otherwise.
 
+    - `example_inputs` / `example_kwargs`: one call's inputs, planned for now; None: planned
+      at the first call, like torch.compile. A call with other input shapes is planned again
+      with the parameters kept in place (one plan per shape, cached).
+    - `compile`: torch.compile the rewritten graph (fullgraph).
+    - `training`: plan and run forward + backward (True) or forward only.
+    - `memory_budget`: bytes per rank; None: this rank's free device memory (on CPU the host
+      memory divided by the local ranks).
+    - `device`: the spec the plan is priced on, as for `autojigsaw.plan` ("h100", "h100-96gb",
+      "h200", "a100", "cpu", "+compile" appended for a compiled step) or a DeviceSpec; None: the
+      mesh's device (the GPU's name on CUDA).
+    - `input_placements`: one entry per input, a tuple of DTensor placements with one per
+      mesh axis (e.g. `[(Shard(2), Shard(2))]`), or None to let autojigsaw choose; given, the
+      caller passes this rank's shards. `output_placements`: likewise for the outputs, which
+      then come back as this rank's shards.
+    - `plan`: apply this Plan (from `autojigsaw.plan` or `Plan.from_json`) instead of planning;
+      its recomputation and data-parallel mode included.
+    - `mp_policy`, `activation_checkpointing`, `data_parallel`: as for `autojigsaw.plan`
+      (MixedPrecisionPolicy or None; "none" | "selective" | "full" | "auto"; "fsdp" | "ddp"
+      on an axis named "data"/"dp").
+    - `dynamic`: one plan for every size torch.export can keep symbolic (batch, sequence):
+      the model is captured once with `Dim.AUTO`, planned at the example inputs' shape (give
+      the largest you will run: it prices memory), and other sizes in the range run with the
+      same plan without planning; a size the plan cannot split is planned again, and a model
+      export cannot capture so is planned per shape (one log line says why). With `plan=`,
+      give a plan made by `autojigsaw.plan(..., dynamic=True)`.
+
+        import autojigsaw, torch
+        from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("domain", "tensor"))
-        pmodel = autojigsaw.parallelize(model, mesh, (x,))
+        pmodel = autojigsaw.parallelize(model, mesh, (x,), memory_budget=60 * 2**30)
         opt = torch.optim.AdamW(pmodel.parameters())
         pmodel(x).square().mean().backward(); opt.step()
     """
@@ -136,7 +183,11 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
         memory_budget = default_budget(mesh)
     options = Options(device, training, memory_budget, input_placements=input_placements,
                       output_placements=output_placements, regime=regime)
-    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile)
+    if dynamic and input_placements is not None:
+        raise ValueError("dynamic=True serves a range of whole-input shapes, but input_placements makes the "
+                         "caller pass local shards of one shape: drop one of the two")
+    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile,
+                              dynamic=dynamic)
     module = ParallelModule(model, mesh, build, plan=plan, local_inputs=input_placements is not None,
                             local_outputs=output_placements is not None)
     if example_inputs is not None:
@@ -149,17 +200,27 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
 
 
 def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
-             options: Options, compile: bool, pinned: dict[str, Placements] | None = None) -> Program:
+             options: Options, compile: bool, dynamic: bool = False, pinned: dict[str, Placements] | None = None,
+             reuse: Program | None = None) -> Program:
     """One rank's program: capture, plan (unless given), materialize its shards, rewrite, compile.
 
     `pinned` (parameter FQN -> placements): the model is sharded already and is planned again for
     new input shapes with its parameters where they are, so the optimizer's DTensors stay valid.
+    `dynamic`: capture with symbolic sizes (Program.symbolic) so that the plan serves their range;
+    `reuse`: such a program whose range holds these inputs: its plan, where legal at these sizes.
     """
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
-    captured = capture_for(model, args, kwargs, options.regime)
+    if reuse is not None:
+        symbolic = reuse.symbolic
+    else:
+        symbolic = _symbolic(model, args, kwargs, options.regime) if dynamic else None
+    captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, options.regime)
     facts, failed = _facts(captured), None
     try:
+        if reuse is not None:
+            plan = _reused(captured, reuse.plan)
+            symbolic = symbolic if plan is not None else None
         if plan is None:
             pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
             plan = plan_captured(captured, mesh, options, pins)
@@ -178,7 +239,35 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
     gm = checkpoint_layers(gm, captured, plan)
     return Program(captured, plan, rank, gm, torch.compile(gm, fullgraph=True) if compile else gm,
-                   options.regime.precision)
+                   options.regime.precision, symbolic)
+
+
+def _symbolic(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime) -> Captured | None:
+    """The model captured with symbolic input sizes (dynamic=True), or None, logged, where export
+    keeps no size symbolic or cannot capture the model so."""
+    precision = regime.precision
+    try:
+        symbolic = capture(model, args, kwargs, param_dtype=precision.param_dtype if precision.mixed else None,
+                           dynamic=True)
+    except ValueError as e:
+        log.info("autojigsaw: dynamic=True: %s; planning once per input shape instead", str(e).splitlines()[0])
+        return None
+    if not symbolic.shapes.symbolic:
+        log.info("autojigsaw: dynamic=True: torch.export fixed every input size of %s (its code depends on "
+                 "them); planning once per input shape instead", type(model).__name__)
+        return None
+    log.info("autojigsaw: dynamic=True: one plan for inputs %s", symbolic.shapes)
+    return symbolic
+
+
+def _reused(captured: Captured, plan: Plan) -> Plan | None:
+    """`plan` at the captured sizes, or None, logged, where a decision does not apply there."""
+    try:
+        return plan_at_shapes(captured, plan)
+    except ValueError as e:
+        log.info("autojigsaw: dynamic=True: the plan does not apply to input shapes %s (%s); planning them "
+                 "with the parameters as placed", captured.input_shapes, e)
+        return None
 
 
 def _facts(captured: Captured) -> dict[str, str]:
@@ -225,8 +314,14 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
              optimizer: str | Optimizer = "adam", example_kwargs: Mapping | None = None, mp_policy=None) -> Plan:
     """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans.
 
-    The plan's recomputed layers (`plan.recompute`, editable) and data-parallel mode are priced
-    as given; `mp_policy` as in `plan`.
+    `model`, `example_inputs` and `example_kwargs` are those the plan was made for; `device` a
+    spec name ("h100", "h100-96gb", "h200", "a100", "cpu"; "h100+compile" for a compiled step)
+    or a DeviceSpec; `optimizer` as in `autojigsaw.plan`. The plan's recomputed layers
+    (`plan.recompute`, editable) and data-parallel mode are priced as given; `mp_policy` as in
+    `plan`. Returns the plan with new step_time (seconds), memory_per_rank and comm_bytes (bytes).
+
+        on_a100 = autojigsaw.evaluate(plan, model, (x,), device="a100")
+        print(on_a100.step_time, on_a100.memory_per_rank)
     """
     regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel)
     captured = capture_for(model, tuple(example_inputs), dict(example_kwargs or {}), regime)

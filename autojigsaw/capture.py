@@ -11,8 +11,9 @@ that no graph can return, and training never reads it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 # Nodes that only check metadata: they would fail on local shards and compute nothing.
@@ -38,6 +40,7 @@ class Captured:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     mutated_buffers: list[str] = field(default_factory=list)  # FQNs the first graph outputs are new values of
+    shapes: ShapeRange | None = None  # a symbolic graph's input sizes (capture(dynamic=True)); None: concrete
 
     @property
     def input_values(self) -> list:
@@ -51,27 +54,21 @@ class Captured:
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
-            param_dtype: torch.dtype | None = None) -> Captured:
+            param_dtype: torch.dtype | None = None, dynamic: bool = False) -> Captured:
     """Export `model(*args, **kwargs)` into an ATen graph; a clear error if export fails.
 
     `param_dtype`: capture as mixed precision runs the model (FSDP2's MixedPrecisionPolicy):
-    floating parameters and inputs in that dtype, buffers in their own.
+    floating parameters and inputs in that dtype, buffers in their own. `dynamic`: every input
+    dim `Dim.AUTO`, so the graph holds symbolic sizes where the model allows (Captured.shapes);
+    `at_sizes` makes it concrete for one shape.
     """
     kwargs = kwargs or {}
     _check_dense(args, kwargs)
-    try:
-        with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
-              warnings.catch_warnings()):
-            # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
-            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False).run_decompositions({})
-    except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
-        raise ValueError(
-            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}\n"
-            "autojigsaw needs a model that torch.export(strict=False) can trace: remove "
-            "data-dependent Python control flow, and pass use_cache=False to Hugging Face models."
-        ) from e
+    auto = None
+    if dynamic:
+        arguments = inspect.signature(model.forward).bind(*args, **kwargs).arguments  # as export pairs them
+        auto = tuple(pytree.tree_map(_every_dim_auto, value) for value in arguments.values())
+    ep = _export(model, args, kwargs, param_dtype, dynamic_shapes=auto)
     sig = ep.graph_signature
     written = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.USER_INPUT_MUTATION]
     if written:
@@ -99,7 +96,159 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     gm.graph.lint()
     gm.recompile()
     mutated = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION]
-    return Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated)
+    captured = Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated)
+    if dynamic:
+        captured.shapes = _shape_range(captured, args, kwargs, ep.range_constraints)
+    return captured
+
+
+def at_sizes(symbolic: Captured, args: tuple, kwargs: dict | None = None) -> Captured:
+    """The symbolic graph at the sizes of these inputs: every size a constant, every shape concrete,
+    node names as in the symbolic graph, so that one plan names the nodes of every shape."""
+    graph, env = torch.fx.Graph(), {}
+    for node in symbolic.gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    gm = GraphModule(symbolic.gm, graph)
+    renamed = {old.name: new.name for old, new in env.items()}  # the copy renames what shadows a builtin ("input")
+    params, buffers = ({renamed[k]: v for k, v in table.items()} for table in (symbolic.params, symbolic.buffers))
+    constants = {renamed[k]: v for k, v in symbolic.constants.items()}
+    inputs = [renamed[name] for name in symbolic.inputs]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    users = iter(pytree.tree_leaves((tuple(args), kwargs or {})))
+    feeds = []
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.name in inputs:
+            x = next(users)
+            if isinstance(x, torch.Tensor):
+                with mode:  # in the dtype the graph computes in (mixed precision casts floating inputs)
+                    x = mode.from_tensor(x).to(node.meta["val"].dtype)
+            feeds.append(x)
+        elif node.name in constants:
+            feeds.append(mode.from_tensor(constants[node.name]))
+        else:  # parameters and buffers: their sizes are the model's, never symbolic
+            val = node.meta["val"]
+            with mode:
+                feeds.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device))
+    output_meta = dict(graph.output_node().meta)
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*feeds)
+    except Exception as e:  # noqa: BLE001 - the model's own shape error, from whichever op
+        shapes = [tuple(x.shape) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        raise ValueError(f"the model cannot run inputs of shapes {shapes}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0]}; pass inputs of sizes it accepts") from e
+    graph.output_node().meta = output_meta  # as export leaves it: the output node holds no value
+    for node in list(graph.nodes):  # sizes, their arithmetic and the checks on them become constants
+        node.meta.pop("tensor_meta", None)  # export's, of symbolic sizes
+        val = node.meta.get("val")
+        if node.op == "call_function" and (val is None or isinstance(val, (int, float, bool))):
+            for user in list(node.users):
+                user.args, user.kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: val if a is node else a,
+                                                              (user.args, user.kwargs))
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return replace(symbolic, gm=gm, params=params, buffers=buffers, constants=constants, inputs=inputs, shapes=None)
+
+
+@dataclass(frozen=True)
+class SymbolicSize:
+    """An input size export kept symbolic: one value wherever `name` occurs, in [low, high]."""
+
+    name: str
+    low: int
+    high: int | None  # None: unbounded
+
+    def admits(self, size: int) -> bool:
+        return self.low <= size and (self.high is None or size <= self.high)
+
+    def __str__(self) -> str:
+        return f"{self.name} in [{self.low}, {'inf)' if self.high is None else f'{self.high}]'}"
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """The input shapes one graph serves: per tensor input, each dim a fixed size or a SymbolicSize.
+
+    Read off torch.export with every input dim `Dim.AUTO`: export keeps a dim symbolic when the
+    model's code works for any size in its range, and fixes it otherwise.
+    """
+
+    structure: str  # the call's pytree structure, as a string
+    dims: tuple[tuple[int | SymbolicSize, ...] | None, ...]  # per flat input; None: not a tensor
+    dtypes: tuple[torch.dtype | None, ...]
+
+    def admits(self, args: tuple, kwargs: dict) -> bool:
+        """Whether inputs like these fit: same structure and dtypes, fixed sizes equal, each symbol
+        one size everywhere and within its range."""
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if str(spec) != self.structure or len(flat) != len(self.dims):
+            return False
+        seen: dict[str, int] = {}
+        for x, dims, dtype in zip(flat, self.dims, self.dtypes):
+            if dims is None:
+                continue
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.ndim != len(dims):
+                return False
+            for size, dim in zip(x.shape, dims):
+                if isinstance(dim, int) and size != dim:
+                    return False
+                if isinstance(dim, SymbolicSize) and (seen.setdefault(dim.name, size) != size or not dim.admits(size)):
+                    return False
+        return True
+
+    @property
+    def symbolic(self) -> bool:
+        return any(isinstance(d, SymbolicSize) for dims in self.dims if dims for d in dims)
+
+    def __str__(self) -> str:
+        """e.g. "(s0, s1) with s0 in [2, inf), s1 in [2, 512]" for the token ids of a BERT."""
+        tensors = [dims for dims in self.dims if dims is not None]
+        shapes = ", ".join("(" + ", ".join(str(getattr(d, "name", d)) for d in dims) + ")" for dims in tensors)
+        symbols = {d.name: d for dims in tensors for d in dims if isinstance(d, SymbolicSize)}
+        return f"{shapes} with {', '.join(map(str, symbols.values()))}" if symbols else shapes
+
+
+def _shape_range(captured: Captured, args: tuple, kwargs: dict, ranges) -> ShapeRange:
+    """The input sizes of a graph exported with `Dim.AUTO`: fixed, or a symbol and its range."""
+    flat, spec = pytree.tree_flatten((tuple(args), kwargs))
+    dims = tuple(tuple(_size(n, ranges) for n in val.shape) if isinstance(val, torch.Tensor) else None
+                 for val in captured.input_values)
+    return ShapeRange(str(spec), dims, tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in flat))
+
+
+def _every_dim_auto(x):
+    return {d: torch.export.Dim.AUTO for d in range(x.ndim)} if isinstance(x, torch.Tensor) else None
+
+
+def _size(size, ranges) -> int | SymbolicSize:
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    if not expr.is_symbol or expr not in ranges:  # a derived size (2 * s0): fixed at this value
+        return int(size.node.hint)
+    bound = ranges[expr]
+    return SymbolicSize(str(expr), int(bound.lower), int(bound.upper) if bound.upper.is_Integer else None)
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype | None,
+            dynamic_shapes=None) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) and decompositions; a ValueError naming the fix if export fails."""
+    try:
+        with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
+              warnings.catch_warnings()):
+            # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            return ep.run_decompositions({})
+    except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
+        raise ValueError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}\n"
+            "autojigsaw needs a model that torch.export(strict=False) can trace: remove "
+            "data-dependent Python control flow, and pass use_cache=False to Hugging Face models."
+        ) from e
 
 
 def _check_dense(args: tuple, kwargs: dict) -> None:

@@ -12,7 +12,14 @@ import torch
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Axis names and sizes of a (possibly abstract) device mesh, outermost axis first."""
+    """Axis names and sizes of a (possibly abstract) device mesh, outermost axis first.
+
+    `axis_names`: e.g. ("domain", "tensor"): labels, except "data"/"dp" (pure data parallelism);
+    `sizes`: ranks per axis. `MeshSpec.of` takes a DeviceMesh, a dict or a MeshSpec.
+
+        mesh = autojigsaw.MeshSpec(("domain", "tensor"), (8, 8))
+        plan = autojigsaw.plan(model, (x,), mesh)
+    """
 
     axis_names: tuple[str, ...]
     sizes: tuple[int, ...]

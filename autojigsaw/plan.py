@@ -22,7 +22,19 @@ SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
 
 @dataclass(frozen=True)
 class NodeSharding:
-    """How one graph node runs: its input/output placements, kernel and predicted costs."""
+    """How one graph node runs: its input/output placements, kernel and predicted costs.
+
+    `name` (the ATen node, "linear_3"), `op` ("aten.linear"), `kind` (matmul, attention,
+    softmax, norm, embedding, param, input or other), `module` (its module path or a
+    parameter's FQN), `shape` of its first output and `input_shapes`; `inputs` / `outputs`:
+    one placements tuple per tensor, one DTensor placement per mesh axis (S(d): sharded on dim
+    d, R: replicated, P(sum): partial sums); `kernel` that runs it ("local" or a distributed
+    kernel); `fallback`: no rule shards it, it runs whole; `note`: why. Predicted per rank:
+    `comm_bytes` (bytes sent per step), `comm_s` and `compute_s` (seconds), `memory_bytes`.
+
+        for n in plan.nodes:  # autojigsaw.NodeSharding
+            print(n.module, n.kernel, n.outputs, n.compute_s)
+    """
 
     name: str
     op: str
@@ -70,7 +82,20 @@ class PlanStats:
 
 @dataclass(frozen=True)
 class Plan:
-    """A sharding for every node of one model on one mesh, with its predicted costs."""
+    """A sharding for every node of one model on one mesh, with its predicted costs.
+
+    `mesh` (MeshSpec), `device` (the spec's name), `training`; `nodes`: a NodeSharding per
+    graph node; `param_placements` (parameter FQN -> placements), `input_placements`,
+    `output_placements`: one DTensor placement per mesh axis each. Predicted per rank and step:
+    `memory_per_rank` (peak bytes, at `peak_at`), `comm_bytes` (bytes sent), `step_time`
+    (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer, "selective" |
+    "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
+    planning went; `explainer`: the planner's data behind `explain`. print() gives the table.
+
+        plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
+        open("plan.json", "w").write(plan.to_json())
+        pmodel = autojigsaw.parallelize(model, mesh, (x,), plan=autojigsaw.Plan.from_json(open("plan.json").read()))
+    """
 
     mesh: MeshSpec
     device: str

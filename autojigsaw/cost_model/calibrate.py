@@ -31,8 +31,11 @@ def calibrate(mesh, *, base: str | DeviceSpec | None = None, max_bytes: int = 4 
 
     `mesh` is a DeviceMesh with named axes (all ranks must call this together). `base`
     supplies what is not measured (memory size, nodes); default: "cpu-gloo" on CPU, the GPU's
-    spec on CUDA. Messages grow by 4x from 1 KiB to `max_bytes` while one takes less than
-    `time_limit_s` / 20.
+    spec on CUDA. Messages grow by 4x from 1 KiB to `max_bytes` (bytes) while one takes less than
+    `time_limit_s` (seconds) / 20; each is timed `repeats` times. Returns a DeviceSpec for `device=`.
+
+        spec = autojigsaw.calibrate(mesh)  # on every rank
+        pmodel = autojigsaw.parallelize(model, mesh, (x,), device=spec)
     """
     if not dist.is_initialized() or not hasattr(mesh, "get_group"):
         raise ValueError("calibrate needs a live process group and a DeviceMesh with named axes: call "

@@ -72,11 +72,20 @@ _AT_PEAK = Efficiency()
 class DeviceSpec:
     """One accelerator: peak FLOP/s per dtype, memory, and the links to its peers.
 
+    `name` ("h100"); `flops`: (dtype name, peak FLOP/s) pairs; `memory_bytes`: device memory in
+    bytes; `memory_bandwidth`: bytes/s; `intra_node` / `inter_node`: LinkSpec (latency in s,
+    bandwidth in bytes/s per rank per direction); `devices_per_node`; `kernel_floor_s`: the
+    shortest a kernel launch takes (s); `tree_all_reduce`: the backend may all-reduce along a
+    tree (NCCL yes, gloo no). The specs by name: "h100", "h100-96gb", "h200", "a100",
+    "cpu-gloo" ("cpu"); autojigsaw.calibrate measures one.
     `axis_links` (from calibration) names the measured link of each mesh axis; otherwise an
     axis uses the intra-node link while it spans at most `devices_per_node` ranks.
     `efficiency` gives each kernel kind (KERNEL_KINDS) its Efficiency; a kind not listed runs
     at peak. `fused_pointwise`: the run is torch.compile'd, whose Inductor fuses elementwise
     ops into their neighbours' kernels (compute.roofline_time prices them so).
+
+        spec = dataclasses.replace(autojigsaw.calibrate(mesh), memory_bytes=40 * 2**30)  # an autojigsaw.DeviceSpec
+        plan = autojigsaw.plan(model, (x,), {"tensor": 8}, device=spec)
     """
 
     name: str

@@ -185,6 +185,10 @@ def meta_init(device: str | torch.device = "cpu"):
     Parameters built inside are meta tensors; `parallelize` then creates each rank's shards with
     the values the model would have had if built on `device` with the same seed. Convert dtypes
     inside the block (`Model().double()`): a conversion outside it is not recorded.
+
+        with autojigsaw.meta_init():
+            model = Model()  # no memory used
+        pmodel = autojigsaw.parallelize(model, mesh, (x,))  # each rank builds only its shards
     """
     recording = _Recording(torch.device(device))
     with _Recorder(recording), _patched_whole_calls(recording):

@@ -23,7 +23,11 @@ def load_shard(read_fn: Callable[[tuple[slice, ...]], object], global_shape: Seq
     """This rank's shard of a tensor of `global_shape` laid out by `placements` over `mesh`.
 
     `read_fn(index)` gets a tuple of slices, one per dim, and returns that block (a tensor or
-    anything numpy can convert, e.g. `np.load(path, mmap_mode="r")[index]`).
+    anything numpy can convert, e.g. `np.load(path, mmap_mode="r")[index]`). `placements`: one
+    DTensor placement per mesh axis, as in `pmodel.plan.input_placements`; `mesh`: the DeviceMesh.
+
+        field = np.load("field.npy", mmap_mode="r")
+        x = autojigsaw.load_shard(lambda index: field[index], field.shape, pmodel.plan.input_placements[0], mesh)
     """
     shape = tuple(int(s) for s in global_shape)
     coord = mesh.get_coordinate()
@@ -61,6 +65,9 @@ def _checked(placements, shape, mesh):
 def stand_in(global_shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A tensor of `global_shape` that stores one element: an example input to plan with.
 
-    Make one per input: torch.export takes one tensor passed twice for one input used twice.
+    `dtype` as the real input's. Make one per input: torch.export takes one tensor passed twice
+    for one input used twice.
+
+        plan = autojigsaw.plan(model, (autojigsaw.stand_in((1, 69, 721, 1440)),), {"domain": 4, "tensor": 2})
     """
     return torch.zeros((), dtype=dtype).expand(*global_shape)

@@ -48,15 +48,21 @@ class Program:
     graph: GraphModule
     run: Callable
     precision: Precision = Precision()
+    symbolic: Captured | None = None  # with dynamic=True: the graph at symbolic sizes, its plan serves their range
 
 
 class ParallelModule(nn.Module):
     """A model sharded over a DeviceMesh by a Plan; call it like the original model.
 
+    Made by `autojigsaw.parallelize`, not by hand: `model` is the user's model, `device_mesh`
+    the DeviceMesh, `plan` a given Plan (None: planned), `.plan` the Plan in use.
     `build(model, args, kwargs)` makes the Program (autojigsaw.api's recipe), at construction or
     at the first call; `local_inputs`: the caller passes this rank's shards of the inputs;
     `local_outputs`: the caller asked for output placements and gets this rank's shards (otherwise
     an output the plan leaves sharded, such as logits beside a loss, comes back as a DTensor).
+
+        pmodel = autojigsaw.parallelize(model, mesh, (x,))  # an autojigsaw.ParallelModule
+        print(pmodel.plan); pmodel(x).sum().backward()
     """
 
     def __init__(self, model: nn.Module, device_mesh, build: Callable[[nn.Module, tuple, dict], Program], *,
@@ -82,11 +88,19 @@ class ParallelModule(nn.Module):
         """Plan (unless a plan was given), shard and compile for inputs like `args`, `kwargs`.
 
         Called again for inputs of another shape, it plans that shape with the parameters kept
-        where they are (the optimizer's DTensors stay valid) and keeps both programs.
+        where they are (the optimizer's DTensors stay valid) and keeps both programs; a shape in
+        the range of a dynamic program (parallelize(dynamic=True)) gets that program's plan.
         """
         key = self._key(args, kwargs)
+        serving = next((p for p in self._programs.values() if p.symbolic and p.symbolic.shapes.admits(args, kwargs)),
+                       None)
         if not self._programs:
             program = self._make(self._model, args, kwargs)
+        elif serving is not None:
+            log.info("autojigsaw: input shapes %s run with the plan of %s (dynamic=True)", key[1],
+                     serving.symbolic.shapes)
+            program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements,
+                                 reuse=serving)
         else:
             log.info("autojigsaw: planning again for input shapes %s (parameters stay as placed)", key[1])
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements)

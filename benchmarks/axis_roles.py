@@ -1,0 +1,144 @@
+"""Axis names as labels (today) against axis roles enforced: predicted bytes and step time per model and mesh.
+
+Run: python benchmarks/axis_roles.py [--models gpt2,llama] [--meshes 2x2,4x4,8x8]
+
+Labels: the planner may put anything on any axis (only "data"/"dp" is special). Roles: what
+the README once promised, enforced by filtering each node's strategies before the solve:
+- weights only on `tensor`: a parameter, and a parameter read by a node, is whole over `domain`;
+- samples only on `domain`: the model's inputs are whole over `tensor`;
+- activations keep their batch dim (dim 0) whole over `tensor` (Megatron's feature and head
+  shards on `tensor` stay allowed; sequence, spatial and batch shards go on `domain`).
+A node that has no strategy left keeps them all (counted under "unfiltered"). The models:
+GPT-2, Llama, BERT, ViT (tests/hf_models.py, 2 layers, 64 wide), the weather mixer and the MLP
+stack, in fp32, larger batches than the tests; priced on "h100", planned in this process with
+no process group (the sizes of 4x4 and 8x8 need no ranks). The budget is half the 1-rank
+plan's memory, so that something must be sharded; the planner then minimises the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+from torch.distributed.tensor import Replicate, Shard
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import autojigsaw  # noqa: E402
+import autojigsaw.api  # noqa: E402
+from autojigsaw.ir import STRATEGIES, tensor_inputs  # noqa: E402
+from benchmarks.models import build as build_mlp, sample  # noqa: E402
+from mixer_model import WeatherMixer  # noqa: E402
+from tests.hf_models import hf_model  # noqa: E402
+
+MODELS = ("gpt2", "llama", "bert", "vit", "mixer", "mlp")
+MESHES = {"2x2": (2, 2), "4x4": (4, 4), "8x8": (8, 8)}
+DOMAIN, TENSOR = 0, 1  # the axes of {"domain": d, "tensor": t}
+
+
+def build(name: str):
+    """(model, example inputs) of `name` in fp32, seeded, with a batch every mesh can split."""
+    torch.manual_seed(0)
+    if name == "mixer":
+        return WeatherMixer(), (torch.randn(16, 3, 8, 8),)
+    if name == "mlp":
+        return build_mlp(256, 1024, 4), (sample(16, 256, 256),)
+    model, inputs = hf_model(name)
+    if name == "vit":
+        return model, (torch.randn(16, 3, 32, 32),)
+    return model, (torch.randint(0, 128, (16, 64)),)
+
+
+def _keeps_roles(node, strategy, params: set[str], inputs: set[str]) -> bool:
+    """Whether `strategy` puts weights only on `tensor`, samples and batch only on `domain`."""
+    if node.op == "placeholder":
+        out = strategy.outputs[0]
+        if node.name in params:
+            return isinstance(out[DOMAIN], Replicate)
+        return not (node.name in inputs and isinstance(out[TENSOR], Shard))
+    for (src, _), placements in zip(tensor_inputs(node), strategy.inputs):
+        if src.name in params and not isinstance(placements[DOMAIN], Replicate):
+            return False
+    return all(out is None or out[TENSOR] != Shard(0) for out in strategy.outputs)
+
+
+@contextlib.contextmanager
+def roles_enforced(captured, unfiltered: list[str]):
+    """While planning `captured`: each node's strategies that keep the roles (all, where none does)."""
+    annotate = autojigsaw.api.annotate
+    params, inputs = set(captured.params), set(captured.inputs)
+
+    def annotate_with_roles(gm, *args, **kwargs):
+        annotate(gm, *args, **kwargs)
+        for node in gm.graph.nodes:
+            kept = [s for s in node.meta[STRATEGIES] if _keeps_roles(node, s, params, inputs)]
+            if kept:
+                node.meta[STRATEGIES] = kept
+            else:
+                unfiltered.append(node.name)
+
+    autojigsaw.api.annotate = annotate_with_roles
+    try:
+        yield
+    finally:
+        autojigsaw.api.annotate = annotate
+
+
+@functools.cache
+def captured_and_whole(name: str):
+    """The captured graph of `name` (planned again for every mesh) and its 1-rank plan's bytes."""
+    model, inputs = build(name)
+    captured = autojigsaw.api.capture_for(model, inputs, {}, autojigsaw.api.Regime())
+    whole = autojigsaw.api.plan_captured(captured, autojigsaw.MeshSpec(("tensor",), (1,)),
+                                         autojigsaw.api.Options("h100")).memory_per_rank
+    return captured, whole
+
+
+def plan_both(name: str, mesh_shape: tuple[int, int]) -> list:
+    """[model, mesh, (bytes, step s) with labels, the same with roles, ratios, unfiltered nodes]."""
+    captured, whole = captured_and_whole(name)
+    mesh = autojigsaw.MeshSpec(("domain", "tensor"), mesh_shape)
+    options = autojigsaw.api.Options("h100", memory_budget=whole // 2)
+    results, unfiltered = [], []
+    for enforce in (False, True):
+        try:
+            with roles_enforced(captured, unfiltered) if enforce else contextlib.nullcontext():
+                results.append(autojigsaw.api.plan_captured(captured, mesh, options))
+        except ValueError as e:  # no plan fits the budget
+            results.append(str(e).splitlines()[0][:60])
+    labels, roles = results
+    row = [name, "x".join(map(str, mesh_shape))]
+    for p in results:
+        row += [f"{p.comm_bytes / 2**20:.2f}", f"{p.step_time * 1e3:.3f}", f"{p.memory_per_rank / 2**20:.1f}"] \
+            if not isinstance(p, str) else ["no plan", "-", "-"]
+    both = not isinstance(labels, str) and not isinstance(roles, str)
+    row += [f"{roles.comm_bytes / max(labels.comm_bytes, 1):.2f}" if both else "-",
+            f"{roles.step_time / labels.step_time:.2f}" if both else "-", len(set(unfiltered))]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--meshes", default=",".join(MESHES))
+    args = parser.parse_args()
+    rows = []
+    for mesh in args.meshes.split(","):
+        for name in args.models.split(","):
+            t0 = time.perf_counter()
+            rows.append(plan_both(name, MESHES[mesh]))
+            print(f"{rows[-1]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["model", "mesh", "labels MiB sent", "labels ms", "labels MiB held",
+                                  "roles MiB sent", "roles ms", "roles MiB held", "bytes roles/labels",
+                                  "time roles/labels", "unfiltered"], tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
