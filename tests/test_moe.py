@@ -9,6 +9,7 @@ parameters after Adam steps.
 """
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ import transformers.integrations.moe  # noqa: F401  (defines transformers.groupe
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autojigsaw import Plan
+from autojigsaw.capture import capture
 from autojigsaw.strategies.rules.moe import GROUPED_MM, expert_rows_mm
 
+from .hf_models import hf_model
 from .side_by_side import plan_json, train
 
 FP32_TOL = 40 * torch.finfo(torch.float32).eps  # relative to the largest value
@@ -84,3 +87,16 @@ def test_experts_split_over_the_ranks_train_like_single_device(ranks2, planned):
     plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, **experts) if n in grouped else n
                                                  for n in plan.nodes))
     check(ranks2.run(train, "mixtral", tuple(MESH.values()), tuple(MESH), plan.to_json(), steps=STEPS, dtype=torch.float32))
+
+
+def test_eager_experts_fail_capture_with_the_fix_and_no_graph_dump(capsys, caplog):
+    model, inputs = hf_model("mixtral")
+    model.config._experts_implementation = "eager"  # a Python loop over the experts hit
+    with caplog.at_level(logging.DEBUG, logger="autojigsaw"), pytest.raises(ValueError) as err:
+        capture(model, inputs)
+    message = str(err.value)
+    assert "data-dependent" in message and "for expert_idx in expert_hit" in message, message
+    assert "default experts implementation (grouped_mm)" in message, message
+    out, printed = capsys.readouterr()
+    assert len(out) + len(printed) < 1000, printed[:2000]
+    assert "def forward" in caplog.text  # the partial graph, for who asks for it
