@@ -105,7 +105,8 @@ def _export_error(model: torch.nn.Module, e: Exception) -> str:
     text = str(e)
     lines = text.splitlines()
     marker = "The following call raised this error:"
-    where = "\n".join(lines[lines.index(marker):lines.index(marker) + 3]) + "\n" if marker in lines else ""
+    at = lines.index(marker) if marker in lines else None
+    where = "" if at is None else "\n".join(lines[at:at + 3]) + "\n"  # the model's line that failed
     if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
         fix = (f"{type(model).__name__}'s experts loop in Python over the experts hit (experts_implementation="
                "'eager'): build it with the default experts implementation (grouped_mm), which autojigsaw shards.")

@@ -86,7 +86,8 @@ def test_experts_split_over_the_ranks_train_like_single_device(ranks2, planned):
                "note": "tensor: experts"}
     plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, **experts) if n in grouped else n
                                                  for n in plan.nodes))
-    check(ranks2.run(train, "mixtral", tuple(MESH.values()), tuple(MESH), plan.to_json(), steps=STEPS, dtype=torch.float32))
+    check(ranks2.run(train, "mixtral", tuple(MESH.values()), tuple(MESH), plan.to_json(), steps=STEPS,
+                     dtype=torch.float32))
 
 
 def test_eager_experts_fail_capture_with_the_fix_and_no_graph_dump(capsys, caplog):
