@@ -47,7 +47,9 @@ def grouped_mm(node, mesh, candidates):
             opts.append(AxisOption((Shard(1), Shard(1), R), (Partial(),), kernel=KERNEL, note="rows"))
         return opts
 
-    return per_axis(mesh, options)
+    # experts split over several axes: every rank keeps at least one
+    return [s for s in per_axis(mesh, options)
+            if math.prod(n for n, p in zip(mesh.sizes, s.inputs[1]) if p == Shard(0)) <= experts]
 
 
 def expert_rows_mm(op, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, first: int) -> torch.Tensor:
