@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
+import logging
+import sys
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 # Nodes that only check metadata: they would fail on local shards and compute nothing.
 _DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
+log = logging.getLogger("autojigsaw")
 
 
 @dataclass
@@ -235,20 +239,20 @@ def _size(size, ranges) -> int | SymbolicSize:
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype | None,
             dynamic_shapes=None) -> torch.export.ExportedProgram:
     """torch.export (non-strict) and decompositions; a ValueError naming the fix if export fails."""
+    # On failure torch.export prints the partial graph to stderr: kept for logging.DEBUG instead.
+    torch_stderr = io.StringIO()
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
-              warnings.catch_warnings()):
+              warnings.catch_warnings(), contextlib.redirect_stderr(torch_stderr)):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-            return ep.run_decompositions({})
+            ep = ep.run_decompositions({})
     except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
-        raise ValueError(
-            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}\n"
-            "autojigsaw needs a model that torch.export(strict=False) can trace: remove "
-            "data-dependent Python control flow, and pass use_cache=False to Hugging Face models."
-        ) from e
+        log.debug("torch.export's output before it failed (the partial graph):\n%s", torch_stderr.getvalue())
+        raise ValueError(_export_error(model, e)) from e
+    sys.stderr.write(torch_stderr.getvalue())
+    return ep
 
 
 def _check_dense(args: tuple, kwargs: dict) -> None:
@@ -258,6 +262,24 @@ def _check_dense(args: tuple, kwargs: dict) -> None:
             where = ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
             raise ValueError(f"input {where} is a {value.layout} tensor: autojigsaw shards dense tensors only; "
                              "pass it dense (.to_dense())")
+
+
+def _export_error(model: torch.nn.Module, e: Exception) -> str:
+    """What failed, where in the model's code, and the fix; the partial graph only at logging.DEBUG."""
+    text = str(e)
+    lines = text.splitlines()
+    marker = "The following call raised this error:"
+    at = lines.index(marker) if marker in lines else None
+    where = "" if at is None else "\n".join(lines[at:at + 3]) + "\n"  # the model's line that failed
+    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
+        fix = (f"{type(model).__name__}'s experts loop in Python over the experts hit (experts_implementation="
+               "'eager'): build it with the default experts implementation (grouped_mm), which autojigsaw shards.")
+    else:
+        fix = ("autojigsaw needs a model that torch.export(strict=False) can trace: remove data-dependent "
+               "Python control flow, and pass use_cache=False to Hugging Face models.")
+    return (f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
+            f"{lines[0] if lines else ''}\n{where}{fix}\n"
+            "(torch.export's partial graph: a logging.DEBUG record on logger 'autojigsaw')")
 
 
 @contextlib.contextmanager

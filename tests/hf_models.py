@@ -37,4 +37,9 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                            num_attention_heads=4, image_size=32, patch_size=8,
                            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
         return tf.ViTModel(cfg), (torch.randn(2, 3, 32, 32),)
+    if name == "mixtral":  # its experts: transformers' default grouped_mm (tests/test_moe.py)
+        cfg = tf.MixtralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                               num_local_experts=8, num_experts_per_tok=2, use_cache=False)
+        return tf.MixtralForCausalLM(cfg), (ids[:1, :8],)
     raise ValueError(f"unknown model {name!r}; known: {NAMES}")

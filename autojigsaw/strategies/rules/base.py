@@ -22,7 +22,8 @@ _RULES: dict[object, Callable] = {}
 
 
 def register(*ops):
-    """Decorator: use this function as the rule for `ops`."""
+    """Decorator: use this function as the rule for `ops` (OpOverloads, or the name of one that
+    another library defines when imported, e.g. "transformers.grouped_mm_fallback.default")."""
 
     def wrap(fn):
         for op in ops:
@@ -34,7 +35,7 @@ def register(*ops):
 
 def strategies_for(node: Node, mesh: MeshSpec, candidates: Sequence[Sequence[Placements]]):
     """The node's strategies by autojigsaw's rule, or None when it has no rule for the op."""
-    rule = _RULES.get(node.target)
+    rule = _RULES.get(node.target) or _RULES.get(str(node.target))
     return None if rule is None else rule(node, mesh, candidates)
 
 

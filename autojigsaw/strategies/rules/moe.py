@@ -1,0 +1,98 @@
+"""Rules for the grouped matmul of mixture-of-experts layers: experts over an axis, or each sharded.
+
+Hugging Face's default experts (`grouped_mm`) sort the routed rows X [S, K] by expert and call
+transformers' grouped_mm_fallback(X, W [E, K, N], offs [E]) (what export records in fp32/fp64):
+row i of the output is X[i] @ W[e] for the expert e whose range of offs holds i. Per mesh axis:
+  replicated  X, W, offs Replicate                       -> Replicate
+  experts     X Replicate, W Shard(0), offs Replicate    -> Partial: each rank computes the rows
+              routed to its own experts and leaves the others zero, so the sum over ranks is
+              the output (expert parallelism without all-to-all: tokens stay replicated and the
+              output is reduced instead; priced at balanced routing, S / n rows per rank)
+  columns     X Replicate, W Shard(2), offs Replicate    -> Shard(1)  (Megatron inside every expert)
+  rows        X Shard(1), W Shard(1), offs Replicate     -> Partial
+The router (softmax, topk, sort, histc, index) has no rule here: it runs replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ...cost_model.compute import backward_factor, roofline_time
+from ...kernels import registry
+from ...placements import local_offset, local_shape
+from .base import AxisOption, per_axis, register
+
+aten = torch.ops.aten
+R = Replicate()
+GROUPED_MM = "transformers.grouped_mm_fallback.default"
+KERNEL = "grouped_mm"
+
+
+@register(GROUPED_MM)
+def grouped_mm(node, mesh, candidates):
+    experts, k, n_out = node.args[1].meta["val"].shape
+
+    def options(n):
+        opts = [AxisOption((R, R, R), (R,), kernel=KERNEL)]
+        if n == 1:
+            return opts
+        if experts >= n:
+            opts.append(AxisOption((R, Shard(0), R), (Partial(),), kernel=KERNEL, note="experts"))
+        if n_out >= n:
+            opts.append(AxisOption((R, Shard(2), R), (Shard(1),), kernel=KERNEL, note="columns"))
+        if k >= n:
+            opts.append(AxisOption((Shard(1), Shard(1), R), (Partial(),), kernel=KERNEL, note="rows"))
+        return opts
+
+    # experts split over several axes: every rank keeps at least one
+    return [s for s in per_axis(mesh, options)
+            if math.prod(n for n, p in zip(mesh.sizes, s.inputs[1]) if p == Shard(0)) <= experts]
+
+
+def expert_rows_mm(op, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, first: int) -> torch.Tensor:
+    """`op` on the rows routed to experts first .. first + len(w) - 1 only; the other rows zero.
+
+    The rows are rotated so that the local experts' rows come first (an index, not a data-dependent
+    slice: no host sync, compiles), the op computes those and leaves the rows past its last offset
+    zero, and the result is rotated back.
+    """
+    rows = torch.arange(x.shape[0], device=x.device)
+    start = offs[first - 1] if first else torch.zeros((), dtype=offs.dtype, device=offs.device)
+    out = op(x[(rows + start) % x.shape[0]], w, offs[first:first + w.shape[0]] - start)
+    return out[(rows - start) % x.shape[0]]
+
+
+def _expert_dims(strategy, mesh_sizes) -> tuple[int, ...]:
+    """The mesh axes that split the experts (dim 0 of the weight)."""
+    return tuple(a for a, p in enumerate(strategy.inputs[1]) if p == Shard(0) and mesh_sizes[a] > 1)
+
+
+# The kernel: the op itself on local shards; with the experts split, only the local experts' rows.
+@registry.register(KERNEL)
+def _call(node, spec, rank, local_inputs):
+    if not _expert_dims(spec, rank.mesh.sizes):
+        return node.target, tuple(local_inputs), {}
+    first = local_offset(node.args[1].meta["val"].shape, spec.inputs[1], rank.mesh.sizes, rank.coord)[0]
+    return expert_rows_mm, (node.target, *local_inputs), {"first": first}
+
+
+@registry.cost(KERNEL)
+def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
+    """A matmul of the rank's rows (S / n of them with the experts split n ways) on its shards."""
+    x, w, out = node.args[0].meta["val"], node.args[1].meta["val"], node.meta["val"]
+    sizes = ctx.mesh.sizes
+    w_local = local_shape(w.shape, strategy.inputs[1], sizes, ctx.coord0)
+    rows = x.shape[0] * w_local[0] / w.shape[0]  # balanced routing
+    x_local = local_shape(x.shape, strategy.inputs[0], sizes, ctx.coord0)
+    out_local = local_shape(out.shape, strategy.outputs[0], sizes, ctx.coord0)
+    rotated = math.prod(x_local) + math.prod(out_local)
+    moved = (rotated + math.prod(w_local)) * x.dtype.itemsize
+    if _expert_dims(strategy, sizes):  # the two row rotations read and write X and the output again
+        moved += 2 * rotated * x.dtype.itemsize
+    t = float(roofline_time(2 * rows * w_local[1] * w_local[2], moved, x.dtype, ctx.device, "matmul"))
+    if ctx.training and grad:
+        t *= 1 + backward_factor(aten.mm.default)
+    return t, math.nan
