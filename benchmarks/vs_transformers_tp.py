@@ -5,7 +5,8 @@ o/down rowwise; `lm_head` colwise with its output gathered). `from_pretrained(..
 applies it with `transformers.distributed.tensor_parallel.apply_tensor_parallelism` on the "tp"
 mesh; this script calls the same function, with the plan expanded to the model's layers as
 from_pretrained does, on a model built from a config. autojigsaw plans the unmodified model by
-itself (the built-in "cpu" spec, its default budget). Both train in eager mode: forward with
+itself (the built-in "cpu" spec, its default budget), and once more with the spec's gloo link as
+it was before benchmarks/gloo_links.py measured it (100 us per round). Both train in eager mode: forward with
 labels (the model's own cross-entropy), backward, Adam step. Before timing, the losses of two
 steps must match the single-device model's; repetitions are interleaved and the table shows
 medians. Collectives and bytes are measured on one step (CommDebugMode, benchmarks/measure.py).
@@ -26,13 +27,16 @@ import torch
 import torch.distributed as dist
 
 import autojigsaw
+from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from .common import Report, kib, ratio
 from .measure import comm_of
 
 TOLERANCE = 1e-4  # relative, fp32
-NAMES = ("single", "transformers-tp", "autojigsaw")
+NAMES = ("single", "transformers-tp", "autojigsaw", "autojigsaw-100us")
+# The "cpu" spec's gloo link before it was measured (benchmarks/gloo_links.py): 100 us, 1 GB/s.
+_OLD_LINKS = (LinkSpec("gloo loopback", 100e-6, 1.0e9), LinkSpec("gloo tcp", 200e-6, 0.5e9))
 
 
 def tiny_llama(cfg: dict):
@@ -87,7 +91,10 @@ def run_rank(cfg: dict) -> dict:
     runs = {"single": _Run(copy.deepcopy(model), active=dist.get_rank() == 0),
             "transformers-tp": _Run(transformers_tp(copy.deepcopy(model), mesh)),
             "autojigsaw": _Run(autojigsaw.parallelize(copy.deepcopy(model), mesh, (ids,), compile=False,
-                                                      example_kwargs={"labels": ids}))}
+                                                      example_kwargs={"labels": ids})),
+            "autojigsaw-100us": _Run(autojigsaw.parallelize(copy.deepcopy(model), mesh, (ids,), compile=False,
+                                                            example_kwargs={"labels": ids},
+                                                            device=device_spec("cpu").with_links(*_OLD_LINKS)))}
     losses = {name: [r.step(ids) for _ in range(2)] if r.active else None for name, r in runs.items()}
     ref = torch.tensor(losses["single"] if losses["single"] else [0.0, 0.0], dtype=torch.float64)
     dist.broadcast(ref, 0)
@@ -103,8 +110,8 @@ def run_rank(cfg: dict) -> dict:
         for name, run in runs.items():
             times[name].append(_timed(run, ids))
     comm = {name: comm_of(lambda r=run: r.step(ids)) for name, run in runs.items() if name != "single"}
-    return {"times": times, "comm": comm, "diffs": diffs,
-            "plan": runs["autojigsaw"].module.plan.comm_bytes, "table": runs["autojigsaw"].module.plan.table()}
+    return {"times": times, "comm": comm, "diffs": diffs, "table": runs["autojigsaw"].module.plan.table(),
+            "plan": {name: run.module.plan.comm_bytes for name, run in runs.items() if name.startswith("autojigsaw")}}
 
 
 def report(ranks: list[dict], cfg: dict, n: int) -> Report:
@@ -115,7 +122,9 @@ def report(ranks: list[dict], cfg: dict, n: int) -> Report:
                   f"median of {cfg['reps']} interleaved repetitions after one warm-up; 'single' runs on rank 0 "
                   "alone. transformers-tp: the model's base_model_tp_plan and lm_head colwise_gather_output, "
                   "applied by transformers.distributed.tensor_parallel.apply_tensor_parallelism (what "
-                  "from_pretrained(tp_plan='auto') calls); autojigsaw: its own plan with the built-in 'cpu' spec.", ""]
+                  "from_pretrained(tp_plan='auto') calls); autojigsaw: its own plan with the built-in 'cpu' spec; "
+                  "autojigsaw-100us: planned with that spec's gloo link as it was before it was measured (100 us "
+                  "and 1 GB/s per round).", ""]
     r0 = ranks[0]
     med = {k: statistics.median(v) for k, v in r0["times"].items()}
     rows = []
@@ -126,7 +135,7 @@ def report(ranks: list[dict], cfg: dict, n: int) -> Report:
         rows.append((name, f"{med[name] * 1e3:.1f}", f"{lo * 1e3:.1f}-{hi * 1e3:.1f}",
                      ratio(med[name], med["transformers-tp"]), calls if name != "single" else "",
                      kib(sent) if name != "single" else "",
-                     kib(r0["plan"]) if name == "autojigsaw" else "",
+                     kib(r0["plan"][name]) if name in r0["plan"] else "",
                      f"{max(r['diffs'].get(name, 0.0) for r in ranks):.1e}"))
     rep.table(f"{n} ranks: step time and communication per rank", rows,
               ["implementation", "median ms", "range ms", "vs transformers-tp", "collectives", "KiB sent",

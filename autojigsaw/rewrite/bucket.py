@@ -36,7 +36,7 @@ from .traffic import gather_bytes, local_numel, padded_numel, summed_itemsize
 BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 
 
-def scopes(captured: Captured) -> dict[str, str]:
+def _scopes(captured: Captured) -> dict[str, str]:
     """Captured node name -> the repeated layer it runs in ("model.layers.3"), else its module path."""
     out = {}
     for node in captured.gm.graph.nodes:
@@ -55,13 +55,14 @@ class _Bucket:
     nbytes: int = 0
 
 
-def bucket_collectives(gm: GraphModule, scope: dict[str, str], rank) -> None:
-    """Merge the bucketable collectives of a rewritten graph (in place; recompile after)."""
+def bucket_collectives(gm: GraphModule, captured: Captured, rank) -> None:
+    """Merge the bucketable collectives of `captured` rewritten into `gm` (in place; recompile after)."""
+    scope, params = _scopes(captured), set(captured.params)
     nodes = list(gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     open_buckets: dict[tuple, list[_Bucket]] = {}
     for node in nodes:
-        key = _key(node, scope)
+        key = _key(node, scope, params)
         if key is None:
             continue
         (src,) = node.all_input_nodes
@@ -83,7 +84,7 @@ def bucket_collectives(gm: GraphModule, scope: dict[str, str], rank) -> None:
     gm.graph.lint()
 
 
-def _key(node: Node, scope: dict[str, str]) -> tuple | None:
+def _key(node: Node, scope: dict[str, str], params: set[str]) -> tuple | None:
     """What must be equal for two collectives to share a bucket; None: not bucketed."""
     if node.op != "call_function" or node.target not in (C.grad_all_reduce, C.all_gather):
         return None
@@ -91,8 +92,10 @@ def _key(node: Node, scope: dict[str, str]) -> tuple | None:
     dtype = node.meta[GLOBAL].dtype
     kw = node.kwargs
     if node.target is C.grad_all_reduce:
-        if src.op != "placeholder":
-            return None  # an activation's gradient: waiting for a bucket would hold the backward up
+        if src.name not in params:
+            # an activation's gradient: waiting for a bucket would hold the backward up; an input's:
+            # it may need no gradient at run time, and would be sent in the bucket all the same
+            return None
         return (C.grad_all_reduce, kw["axis"], kw["group"], kw["n"], dtype)
     return (C.all_gather, kw["axis"], kw["group"], kw["coord"], kw["grad"], len(kw["sizes"]), dtype,
             scope.get(node.meta.get(ORIGIN)))

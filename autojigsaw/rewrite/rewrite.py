@@ -22,7 +22,7 @@ from ..mesh import RankView
 from ..placements import Placements
 from ..plan import Plan
 from ..strategies.dtensor_rules import local_call
-from .bucket import bucket_collectives, scopes
+from .bucket import bucket_collectives
 from .fuse import fuse_collectives
 from .grad_kinds import set_grad_kinds
 
@@ -71,7 +71,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
     if training:
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params))
     fuse_collectives(gm)
-    bucket_collectives(gm, scopes(captured), rank)
+    bucket_collectives(gm, captured, rank)
     gm.recompile()
     return gm
 
