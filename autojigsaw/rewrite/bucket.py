@@ -13,8 +13,8 @@ pass (run after fuse) merges collectives into the kernels of kernels/bucketed.py
 The bucket runs just before the first reader of any member, so a member joins it only if its
 input is computed before that point (nothing waits on a value made later); gathers stay within their repeated
 layer (or module outside layers), so gathered values live no longer than the layer. A bucket
-holds at most BUCKET_BYTES (DDP's default bucket cap). Each member keeps its own node meta (on
-a getitem), so traffic and placements read the same; traffic prices the bucket as one call.
+holds at most BUCKET_BYTES (DDP's default bucket cap). Each member's value keeps its placements
+(on a getitem); traffic prices the bucket as one call, counted at its first member's node.
 """
 
 from __future__ import annotations
@@ -42,14 +42,13 @@ def _scopes(captured: Captured) -> dict[str, str]:
     for node in captured.gm.graph.nodes:
         path = module_path(node, captured.params) or ""
         layer = layer_of(path)
-        out[node.name] = f"{layer[0]}.{layer[1]}" if layer else path.rpartition(".")[0] if node.op == "placeholder" \
-            else path
+        out[node.name] = f"{layer[0]}.{layer[1]}" if layer else path
     return out
 
 
 @dataclass
 class _Bucket:
-    ready: int  # the last member's input is computed at this position
+    ready: int  # the latest of the members' inputs is computed at this position
     needed: int  # the first reader of a member runs at this position: the bucket runs just before
     members: list[Node] = field(default_factory=list)
     nbytes: int = 0
@@ -120,7 +119,8 @@ def _merge(gm: GraphModule, members: list[Node], before: Node) -> None:
     for i, m in enumerate(members):
         with gm.graph.inserting_before(before):
             item = gm.graph.call_function(operator.getitem, (bucket, i))
-        item.meta.update({k: v for k, v in m.meta.items() if k in (PLACEMENTS, GLOBAL, ORIGIN, AXIS)})
+        item.meta.update({k: v for k, v in m.meta.items() if k in (PLACEMENTS, GLOBAL, AXIS)})
+        item.meta[ORIGIN] = bucket.meta[ORIGIN]  # one run of nodes for rewrite/recompute.py
         m.replace_all_uses_with(item)
         gm.graph.erase_node(m)
 
