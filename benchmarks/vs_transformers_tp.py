@@ -148,8 +148,9 @@ def report(ranks: list[dict], cfg: dict, n: int) -> Report:
               ["implementation", "median ms", "range ms", "vs transformers-tp", "collectives", "KiB sent",
                "KiB counted", "KiB predicted", "loss rel. diff"],
               note="collectives and KiB sent: one step, measured by CommDebugMode (ring-algorithm bytes, the most "
-                   "loaded rank; it counts the ring of autojigsaw's fused all_gather_linear, an all_to_all_single, "
-                   "at half its bytes); KiB counted: autojigsaw's own count of the same step (count_comm); "
+                   "loaded rank; it prices the ring steps of autojigsaw's fused kernels, all_to_all_single calls, by "
+                   "all_to_all's formula, not the bytes they send); KiB counted: autojigsaw's own count of the "
+                   "same step (count_comm); "
                    "loss rel. diff: largest relative difference of two steps' losses from the single-device model.")
     rep.text(f"{n} ranks: the plan autojigsaw chose", r0["table"])
     return rep
