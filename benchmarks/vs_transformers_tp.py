@@ -116,7 +116,8 @@ def run_rank(cfg: dict) -> dict:
             with count_comm() as log:
                 comm[name] = comm_of(lambda r=run: r.step(ids))
             counted[name] = log.total_bytes
-    return {"times": times, "comm": comm, "counted": counted, "diffs": diffs, "table": runs["autojigsaw"].module.plan.table(),
+    return {"times": times, "comm": comm, "counted": counted, "diffs": diffs,
+            "table": runs["autojigsaw"].module.plan.table(),
             "plan": {name: run.module.plan.comm_bytes for name, run in runs.items() if name.startswith("autojigsaw")}}
 
 
