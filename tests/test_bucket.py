@@ -7,13 +7,16 @@ latency (some weights gathered: a layer's gathers in one bucket).
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import autojigsaw
 from autojigsaw.api import capture_for, regime_of
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.kernels import bucketed
 from autojigsaw.kernels import collectives as C
+from autojigsaw.ir import GradKind
 from autojigsaw.mesh import MeshSpec, RankView
+from autojigsaw.placements import chunk_sizes
 from autojigsaw.rewrite import bucket
 from autojigsaw.rewrite.rewrite import rewrite
 
@@ -75,3 +78,34 @@ def test_bucketed_plans_train_like_single_device_and_send_the_predicted_bytes(ra
     sent = ranks2.run(measure_step, build, ("llama",), (2,), ("tensor",), plan=plans[name])
     for s in sent:
         assert s.sent_bytes == s.predicted_bytes > 0, (s.sent_bytes, s.predicted_bytes)
+
+
+def _kernels_against_single_collectives():
+    """Uneven chunks on several dims: a bucket's values and gradients equal one collective per value."""
+    n, r, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD.group_name
+    torch.manual_seed(r)
+    shapes, dims = [(3, 7, 5), (5, 3), (2, 9)], (1, 0, 1)  # 7, 5 and 9 split unevenly
+    sizes = tuple(chunk_sizes(s[d], n) for s, d in zip(shapes, dims))
+    xs = [torch.randn(*s[:d], z[r], *s[d + 1:], dtype=torch.float64) for s, d, z in zip(shapes, dims, sizes)]
+    gs = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    out = {}
+    for grad in (GradKind.R, GradKind.P):
+        one = [x.clone().requires_grad_() for x in xs]
+        ys = [C.all_gather(x, dim=d, sizes=z, coord=r, axis="a", group=group, grad=grad)
+              for x, d, z in zip(one, dims, sizes)]
+        torch.autograd.backward(ys, gs)
+        many = [x.clone().requires_grad_() for x in xs]
+        yb = bucketed.bucket_all_gather(*many, dims=dims, sizes=sizes, coord=r, axis="a", group=group, grad=grad)
+        torch.autograd.backward(list(yb), gs)
+        out[grad] = all(torch.equal(a, b) for a, b in zip(ys + [x.grad for x in one], list(yb) + [x.grad for x in many]))
+    one = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in shapes]  # replicated values
+    torch.autograd.backward([C.grad_all_reduce(x, n=n, axis="a", group=group) for x in one], gs)
+    many = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in shapes]
+    torch.autograd.backward(list(bucketed.bucket_grad_all_reduce(*many, n=n, axis="a", group=group)), gs)
+    out["grad_all_reduce"] = all(torch.equal(a.grad, b.grad) for a, b in zip(one, many))
+    return out
+
+
+def test_bucket_kernels_equal_one_collective_per_value(ranks2):
+    for r in ranks2.run(_kernels_against_single_collectives):
+        assert all(r.values()), r

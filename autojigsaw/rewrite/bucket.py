@@ -11,8 +11,8 @@ pass (run after fuse) merges collectives into the kernels of kernels/bucketed.py
       (e.g. a layer's q/k/v and gate/up weights; gradients: one reduce-scatter)
 
 The bucket runs just before the first reader of any member, so a member joins it only if its
-input is computed before that point (nothing waits on a value made later); gathers stay within their repeated
-layer (or module outside layers), so gathered values live no longer than the layer. A bucket
+input is computed before that point (nothing waits on a value made later); gathers stay within
+their repeated layer (or module outside layers): gathered values live no longer than the layer. A bucket
 holds at most BUCKET_BYTES (DDP's default bucket cap). Each member's value keeps its placements
 (on a getitem); traffic prices the bucket as one call, counted at its first member's node.
 """
