@@ -97,7 +97,8 @@ def _kernels_against_single_collectives():
         many = [x.clone().requires_grad_() for x in xs]
         yb = bucketed.bucket_all_gather(*many, dims=dims, sizes=sizes, coord=r, axis="a", group=group, grad=grad)
         torch.autograd.backward(list(yb), gs)
-        out[grad] = all(torch.equal(a, b) for a, b in zip(ys + [x.grad for x in one], list(yb) + [x.grad for x in many]))
+        pairs = zip(ys + [x.grad for x in one], list(yb) + [x.grad for x in many])
+        out[grad] = all(torch.equal(a, b) for a, b in pairs)
     one = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in shapes]  # replicated values
     torch.autograd.backward([C.grad_all_reduce(x, n=n, axis="a", group=group) for x in one], gs)
     many = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in shapes]
