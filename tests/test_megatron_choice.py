@@ -142,9 +142,10 @@ def _prenorm_side_by_side():
 def test_norm_gradients_are_summed_once_before_the_norm_as_megatron_does(ranks2):
     """The second norm's input gradient is all-reduced (Megatron's f), not its weight and bias
     gradients on top of the all-reduce after the first block; the first norm reads the input,
-    which needs no gradient: its weight and bias are all-reduced (2 x 16 values, not 4 x 16)."""
+    which needs no gradient: its weight and bias are all-reduced (2 x 16 values, not 4 x 16), in one
+    bucket (rewrite/bucket.py)."""
     act, vec = 4 * 16 * 8, 16 * 8  # bytes of one activation, of one norm weight (fp64)
     for r in ranks2.run(_prenorm_side_by_side):
         assert r["placements"]["blocks.1.fc1.weight"] == (Shard(0),), r["placements"]
         assert r["grad_diff"] < 1e-12
-        assert r["calls"] == [vec, vec, act, act, act], r["calls"]
+        assert r["calls"] == [2 * vec, act, act, act], r["calls"]

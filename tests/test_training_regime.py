@@ -7,6 +7,7 @@ optimizer sees) and computes in bf16. FSDP on a data axis is priced (sharded sta
 """
 
 import copy
+import functools
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autojigsaw
 from autojigsaw import Plan
+from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.cost_model.liveness import ParamMemory
 from autojigsaw.cost_model.memory import saved_for_backward
 from autojigsaw.testing.local_ranks import get_mesh
@@ -36,9 +38,9 @@ def _llama(batch: int = 8, seq: int = 64):
     return tf.LlamaForCausalLM(cfg), (ids,)
 
 
-def _plan(policy: str, **kw) -> Plan:
+def _plan(policy: str, device="cpu", **kw) -> Plan:
     model, inputs = _llama()
-    return autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", activation_checkpointing=policy, **kw)
+    return autojigsaw.plan(model, inputs, {"tensor": 2}, device=device, activation_checkpointing=policy, **kw)
 
 
 # ---------------------------------------------------------------- bad input
@@ -89,16 +91,18 @@ def test_recomputation_trades_memory_for_time():
 
 def test_auto_recomputes_only_when_the_budget_asks():
     """Loose: nothing recomputed. Tighter than any sharding alone: the fewest layers, selective
-    before full; tighter still: full. Always at least as fast as recomputing everything fully."""
-    none = _plan("none")
-    assert _plan("auto").recompute == ()
+    before full; tighter still: full. Always at least as fast as recomputing everything fully.
+    Links of 100 us, where the loose plan shards all it can: 0.8 of its memory needs recomputation."""
+    plan = functools.partial(_plan, device=device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9)))
+    none = plan("none")
+    assert plan("auto").recompute == ()
     budget = int(0.8 * none.memory_per_rank)
     with pytest.raises(ValueError, match="no plan fits"):
-        _plan("none", memory_budget=budget)
-    some = _plan("auto", memory_budget=budget)
+        plan("none", memory_budget=budget)
+    some = plan("auto", memory_budget=budget)
     assert some.recompute == (("model.layers.0", "selective"),) and some.memory_per_rank <= budget
-    assert some.step_time <= _plan("full", memory_budget=budget).step_time
-    tight = _plan("auto", memory_budget=int(0.5 * none.memory_per_rank))
+    assert some.step_time <= plan("full", memory_budget=budget).step_time
+    tight = plan("auto", memory_budget=int(0.5 * none.memory_per_rank))
     assert {policy for _, policy in tight.recompute} == {"full"}
 
 

@@ -256,14 +256,19 @@ DEVICES: dict[str, DeviceSpec] = {
     ),
     # The CI machine (2 shared cores, 1 thread per rank, gloo on 127.0.0.1), rounded: what the tests
     # plan with. Quiet, calibrate measures 0.1 TFLOP/s fp32 per rank (0.05 with 4 ranks on the 2
-    # cores), 33 GB/s, and gloo rounds of about 1 ms at 0.8 GB/s (0.7 ms at 4 ranks): 10x the latency
-    # here. Plan with calibrate(mesh) to price collectives as this machine runs them; with that
-    # latency and a tight budget, the MILP loses its integral LP relaxation (planner/milp.py).
+    # cores) and 33 GB/s. Links: benchmarks/gloo_links.py (all-gathers and all-reduces of 1 KiB ..
+    # 16 MiB, the ring model fitted; 2026-12-01, the machine shared, load average 29-39) measured
+    # 0.31 ms per round at 0.64 GB/s on 2 ranks and 1.27 ms at 0.39 GB/s on 4 (a 1 KiB all-gather:
+    # 0.42 ms on 2 ranks, 3.0 ms on 4); calibrate found about 1 ms at 0.8 GB/s before. Rounded to
+    # 0.5 ms and 0.5 GB/s: 5x the latency assumed before, which made plans of many small collectives.
+    # Between nodes (tcp): assumed twice the latency, half the bandwidth. calibrate(mesh) prices the
+    # machine as it is at the moment; with this latency and a tight budget, the MILP loses its
+    # integral LP relaxation (planner/milp.py).
     "cpu-gloo": DeviceSpec(
         "cpu-gloo",
         flops=(("float32", 50e9), ("float64", 25e9), ("bfloat16", 10e9)),
         memory_bytes=24 * GiB, memory_bandwidth=10e9,
-        intra_node=LinkSpec("gloo loopback", 100e-6, 1.0e9), inter_node=LinkSpec("gloo tcp", 200e-6, 0.5e9),
+        intra_node=LinkSpec("gloo loopback", 500e-6, 0.5e9), inter_node=LinkSpec("gloo tcp", 1e-3, 0.25e9),
         devices_per_node=64, kernel_floor_s=5e-6, tree_all_reduce=False,
     ),
 }

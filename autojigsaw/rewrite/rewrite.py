@@ -23,6 +23,7 @@ from ..placements import Placements
 from ..plan import Plan
 from ..strategies.dtensor_rules import local_call
 from ..training import data_axis
+from .bucket import bucket_collectives
 from .fuse import fuse_collectives
 from .grad_kinds import set_grad_kinds
 
@@ -72,6 +73,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params),
                        fsdp_axis=data_axis(plan.mesh) if plan.data_parallel == "fsdp" else None)
     fuse_collectives(gm)
+    bucket_collectives(gm, captured, rank)
     gm.recompile()
     return gm
 

@@ -25,7 +25,7 @@ def local_numel(node: Node, rank) -> tuple[list[int], int]:
     return shape, val.dtype.itemsize
 
 
-def _summed_itemsize(node: Node, op: str = "sum") -> int:
+def summed_itemsize(node: Node, op: str = "sum") -> int:
     """Bytes per element a reduction of `node`'s value sends (bf16/fp16 sums go in fp32)."""
     val = node.meta[GLOBAL]
     val = val[0] if isinstance(val, (tuple, list)) else val
@@ -60,17 +60,17 @@ def collective_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str,
     if node.target is C.all_gather:
         out.append(("all_gather", gather_bytes(shape, itemsize, kw["dim"], kw["sizes"])))
         if backward and kw["grad"] == GradKind.P:
-            out.append(("reduce_scatter", scatter_bytes(shape, _summed_itemsize(src), kw["dim"], kw["sizes"])))
+            out.append(("reduce_scatter", scatter_bytes(shape, summed_itemsize(src), kw["dim"], kw["sizes"])))
     elif node.target is C.reduce_scatter:
-        out.append(("reduce_scatter", scatter_bytes(shape, _summed_itemsize(src, kw["op"]), kw["dim"], kw["sizes"])))
+        out.append(("reduce_scatter", scatter_bytes(shape, summed_itemsize(src, kw["op"]), kw["dim"], kw["sizes"])))
         if backward:
             out.append(("all_gather", out[0][1]))
     elif node.target in (C.all_reduce, C.grad_all_reduce):
         numel = math.prod(shape)
         if node.target is C.all_reduce:
-            out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src, kw["op"]), kw["n"])))
+            out.append(("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(src, kw["op"]), kw["n"])))
         if backward and (node.target is C.grad_all_reduce or kw["grad"] == GradKind.P):
-            out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src), kw["n"])))
+            out.append(("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(src), kw["n"])))
     elif node.target is C.all_to_all:
         n = len(kw["src_sizes"])
         shape[kw["src_dim"]] = max(kw["src_sizes"])

@@ -1,0 +1,111 @@
+"""Bucketed collectives: several values moved on one mesh axis in one call on a flat buffer.
+
+Each computes exactly what the single collectives of kernels/collectives.py compute, member by
+member (the same padding, the same sums per element, the same gradient convention), but pays
+one latency for all: the members are flattened into one buffer, moved once, and split again.
+The rewrite pass rewrite/bucket.py makes them; a bucket holds one dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dtypes import reduce_dtype
+from ..ir import GradKind
+from .collectives import _waited, c10d, pad_dim, raw_all_reduce, record
+
+
+def _flat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.reshape(-1) for p in pieces])
+
+
+def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for shape in shapes:
+        numel = shape.numel()
+        out.append(flat.narrow(-1, start, numel))
+        start += numel
+    return [piece.reshape(*flat.shape[:-1], *shape) for piece, shape in zip(out, shapes)]
+
+
+def _gather_chunk(x: torch.Tensor, dim: int, sizes) -> torch.Tensor:
+    """A member's send buffer, as raw_all_gather lays it out: padded, the gathered dim first."""
+    return pad_dim(x, dim, max(sizes)).movedim(dim, 0).contiguous()
+
+
+def _unpad(y: torch.Tensor, dim: int, sizes) -> torch.Tensor:
+    """Every rank's chunk (each padded to the largest, `y`'s dim 0 holds them) concatenated on `dim`."""
+    chunk = max(sizes)
+    y = y.flatten(0, 1).movedim(0, dim)
+    if all(s == chunk for s in sizes):
+        return y.contiguous()
+    return torch.cat([y.narrow(dim, i * chunk, s) for i, s in enumerate(sizes)], dim)
+
+
+def _scatter_piece(g: torch.Tensor, dim: int, sizes) -> torch.Tensor:
+    """A member's gradient laid out for a reduce-scatter: one padded chunk per rank, on dim 0."""
+    chunk = max(sizes)
+    pieces = torch.split(g, list(sizes), dim)
+    padded = torch.cat([pad_dim(p, dim, chunk) for p in pieces], dim).movedim(dim, 0)
+    return padded.reshape(len(sizes), -1)
+
+
+class _BucketAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dims, sizes, coord, axis, group, grad, *xs):
+        n = len(sizes[0])
+        chunks = [_gather_chunk(x, d, s) for x, d, s in zip(xs, dims, sizes)]
+        flat = _flat(chunks)
+        record("all_gather", axis, flat, n)
+        y = _waited("all_gather", axis, n, group, lambda: c10d.all_gather_into_tensor(flat, n, group)).view(n, -1)
+        ctx.args = (dims, sizes, coord, axis, group, grad, [c.shape for c in chunks], [x.dtype for x in xs])
+        return tuple(_unpad(piece, d, s) for piece, d, s in zip(_split(y, [c.shape for c in chunks]), dims, sizes))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        dims, sizes, coord, axis, group, grad, shapes, dtypes = ctx.args
+        if grad == GradKind.R:
+            gx = [None if g is None else g.narrow(d, sum(s[:coord]), s[coord]) for g, d, s in zip(gs, dims, sizes)]
+        else:
+            gx = _reduce_scatter_grads(gs, dims, sizes, coord, axis, group, shapes, dtypes)
+        return (None,) * 6 + tuple(gx)
+
+
+def _reduce_scatter_grads(gs, dims, sizes, coord, axis, group, shapes, dtypes):
+    """The sum over ranks of each member's full gradient, this rank's chunk of it: one reduce-scatter."""
+    n = len(sizes[0])
+    wire = reduce_dtype(dtypes[0])
+    like = next(g for g in gs if g is not None)
+    pieces = [like.new_zeros(n, shape.numel(), dtype=wire) if g is None else _scatter_piece(g.to(wire), d, s)
+              for g, d, s, shape in zip(gs, dims, sizes, shapes)]
+    flat = torch.cat(pieces, 1).reshape(-1)
+    record("reduce_scatter", axis, flat, n)
+    y = _waited("reduce_scatter", axis, n, group, lambda: c10d.reduce_scatter_tensor(flat, "sum", n, group))
+    return [piece.movedim(0, d).narrow(d, 0, s[coord]).to(dt).contiguous()
+            for piece, d, s, dt in zip(_split(y, shapes), dims, sizes, dtypes)]
+
+
+class _BucketGradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, n, axis, group, *xs):
+        ctx.args = (n, axis, group, [x.shape for x in xs])
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        n, axis, group, shapes = ctx.args
+        like = next(g for g in gs if g is not None)
+        gs = [g if g is not None else like.new_zeros(shape) for g, shape in zip(gs, shapes)]
+        summed = raw_all_reduce(_flat(gs), "sum", n, axis, group)
+        return (None,) * 3 + tuple(_split(summed, shapes))
+
+
+def bucket_all_gather(*xs, dims: tuple[int, ...], sizes: tuple[tuple[int, ...], ...], coord: int, axis: str,
+                      group: str, grad: GradKind):
+    """all_gather of every x (Shard(dims[i]) -> Replicate, chunks sizes[i]) in one call; a tuple."""
+    return _BucketAllGather.apply(dims, sizes, coord, axis, group, grad, *xs)
+
+
+def bucket_grad_all_reduce(*xs, n: int, axis: str, group: str):
+    """grad_all_reduce of every x in one call: identity forward, one all-reduce of all gradients backward."""
+    return _BucketGradAllReduce.apply(n, axis, group, *xs)

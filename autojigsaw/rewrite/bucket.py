@@ -1,0 +1,150 @@
+"""Bucket: collectives that go the same way at the same point become one call on a flat buffer.
+
+A collective costs a fixed latency whatever its size (on gloo ~0.3-1 ms, cost_model/devices.py),
+so a plan that all-reduces every parameter's gradient, or gathers each weight of a layer apart,
+pays it per tensor. As DDP buckets gradients and FSDP gathers a layer's weights at once, this
+pass (run after fuse) merges collectives into the kernels of kernels/bucketed.py:
+
+  grad_all_reduce of parameters, same axis and dtype        -> bucket_grad_all_reduce
+      (identity forward; one all-reduce once every member's gradient is in, as DDP does)
+  all_gather, same axis, gradient kind and dtype, one layer  -> bucket_all_gather
+      (e.g. a layer's q/k/v and gate/up weights; gradients: one reduce-scatter)
+
+The bucket runs just before the first reader of any member, so a member joins it only if its
+input is computed before that point (nothing waits on a value made later); gathers stay within
+their repeated layer (or module outside layers): gathered values live no longer than the layer. A bucket
+holds at most BUCKET_BYTES (DDP's default bucket cap). Each member's value keeps its placements
+(on a getitem); traffic prices the bucket as one call, counted at its first member's node.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+from torch.fx import GraphModule, Node
+
+from ..capture import Captured
+from ..ir import AXIS, GLOBAL, ORIGIN, PLACEMENTS, GradKind, bytes_sent
+from ..kernels import collectives as C
+from ..kernels import registry
+from ..kernels.bucketed import bucket_all_gather, bucket_grad_all_reduce
+from ..modules import layer_of, module_path
+from .traffic import gather_bytes, local_numel, padded_numel, summed_itemsize
+
+BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
+
+
+def _scopes(captured: Captured) -> dict[str, str]:
+    """Captured node name -> the repeated layer it runs in ("model.layers.3"), else its module path."""
+    out = {}
+    for node in captured.gm.graph.nodes:
+        path = module_path(node, captured.params) or ""
+        layer = layer_of(path)
+        out[node.name] = f"{layer[0]}.{layer[1]}" if layer else path
+    return out
+
+
+@dataclass
+class _Bucket:
+    ready: int  # the latest of the members' inputs is computed at this position
+    needed: int  # the first reader of a member runs at this position: the bucket runs just before
+    members: list[Node] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def bucket_collectives(gm: GraphModule, captured: Captured, rank) -> None:
+    """Merge the bucketable collectives of `captured` rewritten into `gm` (in place; recompile after)."""
+    scope, params = _scopes(captured), set(captured.params)
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    open_buckets: dict[tuple, list[_Bucket]] = {}
+    for node in nodes:
+        key = _key(node, scope, params)
+        if key is None:
+            continue
+        (src,) = node.all_input_nodes
+        shape, itemsize = local_numel(src, rank)
+        nbytes = math.prod(shape) * itemsize
+        ready, needed = order[src], min((order[u] for u in node.users), default=len(nodes) - 1)
+        buckets = open_buckets.setdefault(key, [])
+        fits = next((b for b in buckets if max(b.ready, ready) < min(b.needed, needed)
+                     and b.nbytes + nbytes <= BUCKET_BYTES), None)
+        if fits is None:
+            fits = _Bucket(ready, needed)
+            buckets.append(fits)
+        fits.members.append(node)
+        fits.ready, fits.needed, fits.nbytes = max(fits.ready, ready), min(fits.needed, needed), fits.nbytes + nbytes
+    for buckets in open_buckets.values():
+        for b in buckets:
+            if len(b.members) > 1:
+                _merge(gm, b.members, nodes[b.needed])
+    gm.graph.lint()
+
+
+def _key(node: Node, scope: dict[str, str], params: set[str]) -> tuple | None:
+    """What must be equal for two collectives to share a bucket; None: not bucketed."""
+    if node.op != "call_function" or node.target not in (C.grad_all_reduce, C.all_gather):
+        return None
+    (src,) = node.all_input_nodes
+    dtype = node.meta[GLOBAL].dtype
+    kw = node.kwargs
+    if node.target is C.grad_all_reduce:
+        if src.name not in params:
+            # an activation's gradient: waiting for a bucket would hold the backward up; an input's:
+            # it may need no gradient at run time, and would be sent in the bucket all the same
+            return None
+        return (C.grad_all_reduce, kw["axis"], kw["group"], kw["n"], dtype)
+    return (C.all_gather, kw["axis"], kw["group"], kw["coord"], kw["grad"], len(kw["sizes"]), dtype,
+            scope.get(node.meta.get(ORIGIN)))
+
+
+def _merge(gm: GraphModule, members: list[Node], before: Node) -> None:
+    """One bucket call just before `before`; every member's readers read its getitem."""
+    first, kw = members[0], members[0].kwargs
+    srcs = tuple(m.all_input_nodes[0] for m in members)
+    if first.target is C.grad_all_reduce:
+        fn, kwargs = bucket_grad_all_reduce, dict(n=kw["n"], axis=kw["axis"], group=kw["group"])
+    else:
+        fn = bucket_all_gather
+        kwargs = dict(dims=tuple(m.kwargs["dim"] for m in members), sizes=tuple(m.kwargs["sizes"] for m in members),
+                      coord=kw["coord"], axis=kw["axis"], group=kw["group"], grad=kw["grad"])
+    with gm.graph.inserting_before(before):
+        bucket = gm.graph.call_function(fn, srcs, kwargs)
+    bucket.meta[PLACEMENTS] = tuple(m.meta[PLACEMENTS][0] for m in members)
+    bucket.meta[GLOBAL] = tuple(m.meta[GLOBAL] for m in members)
+    bucket.meta[ORIGIN] = first.meta[ORIGIN]
+    bucket.meta[AXIS] = first.meta[AXIS]
+    for i, m in enumerate(members):
+        with gm.graph.inserting_before(before):
+            item = gm.graph.call_function(operator.getitem, (bucket, i))
+        item.meta.update({k: v for k, v in m.meta.items() if k in (PLACEMENTS, GLOBAL, AXIS)})
+        item.meta[ORIGIN] = bucket.meta[ORIGIN]  # one run of nodes for rewrite/recompute.py
+        m.replace_all_uses_with(item)
+        gm.graph.erase_node(m)
+
+
+# ---------------------------------------------------------------- traffic: one call for the bucket
+
+
+@registry.traffic(bucket_grad_all_reduce)
+def _grad_all_reduce_traffic(node, rank, backward):
+    if not backward:
+        return []
+    numel = sum(math.prod(local_numel(src, rank)[0]) for src in node.args)
+    return [("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(node.args[0]), node.kwargs["n"]))]
+
+
+@registry.traffic(bucket_all_gather)
+def _all_gather_traffic(node, rank, backward):
+    kw = node.kwargs
+    n = len(kw["sizes"][0])
+    sent = sum(gather_bytes(*local_numel(src, rank), d, s) for src, d, s in zip(node.args, kw["dims"], kw["sizes"]))
+    out = [("all_gather", sent)]
+    if backward and kw["grad"] == GradKind.P:
+        buffer = sum(padded_numel(local_numel(src, rank)[0], d, n * max(s)) * summed_itemsize(src)
+                     for src, d, s in zip(node.args, kw["dims"], kw["sizes"]))
+        out.append(("reduce_scatter", bytes_sent("reduce_scatter", buffer, n)))
+    return out
+
