@@ -68,9 +68,9 @@ def collective_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str,
     elif node.target in (C.all_reduce, C.grad_all_reduce):
         numel = math.prod(shape)
         if node.target is C.all_reduce:
-            out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src, kw["op"]), kw["n"])))
+            out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src, kw["op"]), kw["axis"].size)))
         if backward and (node.target is C.grad_all_reduce or kw["grad"] == GradKind.P):
-            out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src), kw["n"])))
+            out.append(("all_reduce", bytes_sent("all_reduce", numel * _summed_itemsize(src), kw["axis"].size)))
     elif node.target is C.all_to_all:
         n = len(kw["src_sizes"])
         shape[kw["src_dim"]] = max(kw["src_sizes"])
