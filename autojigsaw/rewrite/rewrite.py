@@ -153,4 +153,3 @@ def _moved(env, moved, graph: Graph, src: Node, index: int, target: Placements,
         value.meta[GLOBAL] = output_values(src)[index]
     moved[key] = value
     return value
-
