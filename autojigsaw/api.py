@@ -42,7 +42,7 @@ from .runtime.materialize import materialize_model
 from .runtime.module import ParallelModule, Program
 from .strategies.annotate import annotate
 from .strategies.data_pins import data_pins
-from .training import Precision, Regime, data_axis
+from .training import Precision, Regime, data_axes
 
 log = logging.getLogger("autojigsaw")
 
@@ -193,7 +193,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     if example_inputs is not None:
         module.build(tuple(example_inputs), dict(example_kwargs or {}))
         shard_over_data_axis(module, mesh, regime, mp_policy)
-    elif regime.fsdp and spec.sizes[data_axis(spec)] > 1:
+    elif regime.fsdp and spec.sizes[data_axes(spec)[0]] > 1:
         raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass example_inputs "
                          "to parallelize, or data_parallel='ddp' to plan at the first call")
     return module

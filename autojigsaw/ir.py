@@ -26,13 +26,15 @@ from .placements import Placements, chunk_sizes, local_shape
 
 # ---------------------------------------------------------------- node.meta keys
 # On the captured graph, strategies.annotate writes STRATEGIES. On a rewritten graph, the
-# rewrite writes PLACEMENTS, GLOBAL and ORIGIN on every node and AXIS on every collective.
+# rewrite writes PLACEMENTS, GLOBAL and ORIGIN on every node, AXIS on every collective and
+# KERNEL on every node that runs a registered kernel.
 
 STRATEGIES = "autojigsaw_strategies"  # captured node: list[Strategy], its legal ways to run
 PLACEMENTS = "autojigsaw_placements"  # rewritten node: tuple of its outputs' placements
 GLOBAL = "autojigsaw_global"  # rewritten node: the global fake value(s) it holds a shard of
 ORIGIN = "autojigsaw_origin"  # rewritten node: name of the captured node it serves
 AXIS = "autojigsaw_axis"  # rewritten collective: index of the mesh axis it works on
+KERNEL = "autojigsaw_kernel"  # rewritten kernel call: the name of its kernels.registry.Kernel
 
 
 # ---------------------------------------------------------------- strategies and values
@@ -249,28 +251,65 @@ def adjoint(step: Step, partial_grad: bool) -> Step | None:
 
 
 # ---------------------------------------------------------------- sizes of each step
+# The static arguments of a step's collective on one rank; field names are its keywords.
 
 
-def step_sizes(step: Step, shape, mesh_sizes, coord) -> dict:
+@dataclass(frozen=True)
+class Chunks:
+    """all_gather, shard_slice: the dim split over the axis and every rank's chunk of it."""
+
+    dim: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScatterChunks:
+    """reduce_scatter: the dim it scatters, every rank's chunk of it, and the reduction."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    op: str
+
+
+@dataclass(frozen=True)
+class SwapChunks:
+    """all_to_all: the dim split before and after, and every rank's chunk of each."""
+
+    src_dim: int
+    dst_dim: int
+    src_sizes: tuple[int, ...]
+    dst_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """all_reduce, to_partial: the reduction."""
+
+    op: str
+
+
+StepSizes = Chunks | ScatterChunks | SwapChunks | Reduction
+
+
+def step_sizes(step: Step, shape, mesh_sizes, coord) -> StepSizes:
     """Static arguments of a step on the rank at `coord`: dims and per-rank chunk sizes."""
     n = mesh_sizes[step.axis]
     if step.kind in (Collective.all_gather, Collective.shard_slice):
         p = step.before[step.axis] if step.kind == Collective.all_gather else step.after[step.axis]
         whole = step.after if step.kind == Collective.all_gather else step.before
         full = local_shape(shape, whole, mesh_sizes, coord)[p.dim]
-        return {"dim": p.dim, "sizes": chunk_sizes(full, n)}
+        return Chunks(p.dim, chunk_sizes(full, n))
     if step.kind == Collective.reduce_scatter:
         p = step.after[step.axis]
         full = local_shape(shape, step.before, mesh_sizes, coord)[p.dim]
-        return {"dim": p.dim, "sizes": chunk_sizes(full, n), "op": step.before[step.axis].reduce_op}
+        return ScatterChunks(p.dim, chunk_sizes(full, n), step.before[step.axis].reduce_op)
     if step.kind == Collective.all_to_all:
         s, d = step.before[step.axis], step.after[step.axis]
         src_full = local_shape(shape, _set(step.before, step.axis, Replicate()), mesh_sizes, coord)
-        return {"src_dim": s.dim, "dst_dim": d.dim, "src_sizes": chunk_sizes(src_full[s.dim], n),
-                "dst_sizes": chunk_sizes(src_full[d.dim], n)}
+        return SwapChunks(s.dim, d.dim, chunk_sizes(src_full[s.dim], n), chunk_sizes(src_full[d.dim], n))
     if step.kind == Collective.all_reduce:
-        return {"op": step.before[step.axis].reduce_op}
-    return {"op": step.after[step.axis].reduce_op}  # to_partial
+        return Reduction(step.before[step.axis].reduce_op)
+    return Reduction(step.after[step.axis].reduce_op)  # to_partial
 
 
 def step_input_numel(step: Step, shape, mesh_sizes, coord) -> tuple[str, int] | None:
@@ -280,11 +319,11 @@ def step_input_numel(step: Step, shape, mesh_sizes, coord) -> tuple[str, int] | 
     local = list(local_shape(shape, step.before, mesh_sizes, coord))
     args = step_sizes(step, shape, mesh_sizes, coord)
     n = mesh_sizes[step.axis]
-    if step.kind == Collective.all_gather:
-        local[args["dim"]] = max(args["sizes"])
-    elif step.kind == Collective.reduce_scatter:
-        local[args["dim"]] = n * max(args["sizes"])
-    elif step.kind == Collective.all_to_all:
-        local[args["src_dim"]] = max(args["src_sizes"])
-        local[args["dst_dim"]] = n * max(args["dst_sizes"])
+    if isinstance(args, ScatterChunks):
+        local[args.dim] = n * max(args.sizes)
+    elif isinstance(args, Chunks):  # an all_gather: shard_slice sends nothing
+        local[args.dim] = max(args.sizes)
+    elif isinstance(args, SwapChunks):
+        local[args.src_dim] = max(args.src_sizes)
+        local[args.dst_dim] = n * max(args.dst_sizes)
     return step.kind, math.prod(local)

@@ -6,6 +6,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -83,13 +84,16 @@ class MeshSpec:
         return _fake_device_mesh(self, (0,) * self.ndim)
 
 
-@dataclass(frozen=True)
-class MeshAxis:
-    """One mesh axis as a collective sees it: its name, size, process group and this rank's position."""
+class MeshAxis(NamedTuple):
+    """One mesh axis as a kernel sees it: its name, size, process group and this rank's position.
+
+    A NamedTuple rather than a dataclass: it is a kernel's argument in rewritten graphs, and FX
+    writes NamedTuples into `gm.code` (and torch.compile traces them) as they are.
+    """
 
     name: str
     size: int
-    group: str | None
+    group: str | None  # None: planning only, never run
     coord: int
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
 
 from .mesh import MeshSpec
+from .modules import layer_of
 from .placements import Placements, format_placements, parse_placements
 
 SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
@@ -265,14 +265,20 @@ class Plan:
         )
 
 
-_LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+def _with_layer(module: str, index: str) -> str:
+    """`module` with the index of its repeated layer replaced by `index` ("model.layers.{i}.mlp")."""
+    found = layer_of(module)
+    if found is None:
+        return module
+    prefix, i = found
+    return f"{prefix}.{index}{module[len(prefix) + 1 + len(str(i)):]}"
 
 
 def _collapsed(nodes: list[NodeSharding]) -> list[list[NodeSharding]]:
     """Nodes grouped when they differ only by the layer they run in (`layers.3` vs `layers.4`)."""
     groups: dict[tuple, list[NodeSharding]] = {}
     for n in nodes:
-        pattern = _LAYER_INDEX.sub(".{i}", n.module, count=1) if n.module else n.name
+        pattern = _with_layer(n.module, "{i}") if n.module else n.name
         key = (pattern, n.op, n.shape, n.input_shapes, n.inputs, n.outputs, n.kernel, n.fallback, n.note)
         groups.setdefault(key, []).append(n)
     return list(groups.values())
@@ -288,9 +294,9 @@ def _row(group: list[NodeSharding], label: str | None = None) -> tuple:
     n = group[0]
     module, name = n.module, n.name
     if len(group) > 1:
-        indices = [m.group(1) for g in group if (m := _LAYER_INDEX.search(g.module))]
+        indices = [found[1] for g in group if (found := layer_of(g.module))]
         if len(indices) == len(group):
-            module = _LAYER_INDEX.sub(f".{{{indices[0]}..{indices[-1]}}}", n.module, count=1)
+            module = _with_layer(n.module, f"{{{indices[0]}..{indices[-1]}}}")
         name = f"{n.name} (x{len(group)})"
     shapes = " ".join("x".join(map(str, s)) for s in n.input_shapes) + " -> " + "x".join(map(str, n.shape))
     return (module, name, n.op, shapes, " ".join(format_placements(p) for p in n.inputs),

@@ -89,10 +89,10 @@ class Regime:
     def of(cls, mesh: MeshSpec, *, mp_policy=None, activation_checkpointing: str = "none",
            data_parallel: str | None = None) -> Regime:
         """The regime for `mesh`, checked: data_parallel defaults to "fsdp" when the mesh has a data axis."""
-        axis = data_axis(mesh)
-        if data_parallel is None and axis is not None:
+        axes = data_axes(mesh)
+        if data_parallel is None and axes:
             data_parallel = "fsdp"
-        if data_parallel is not None and axis is None:
+        if data_parallel is not None and not axes:
             raise ValueError(f"data_parallel={data_parallel!r} needs a mesh axis named one of {DATA_AXIS_NAMES}, "
                              f"but the mesh's axes are {mesh.axis_names}: rename the batch axis, or leave "
                              "data_parallel=None")
@@ -103,6 +103,6 @@ class Regime:
         return self.data_parallel == "fsdp"
 
 
-def data_axis(mesh: MeshSpec) -> int | None:
-    """The position of the mesh's data-parallel axis, if it has one."""
-    return next((a for a, name in enumerate(mesh.axis_names) if name in DATA_AXIS_NAMES), None)
+def data_axes(mesh: MeshSpec) -> tuple[int, ...]:
+    """The positions of the mesh's data-parallel axes (FSDP shards over the first)."""
+    return tuple(a for a, name in enumerate(mesh.axis_names) if name in DATA_AXIS_NAMES)

@@ -110,13 +110,14 @@ def kernel_rows(device: str, group: str, sizes: dict, dtype, spec, modes, failur
     """Forward + backward of each kernel against its torch counterpart, per mode."""
     from autojigsaw.kernels.attention import ring_attention
     from autojigsaw.kernels.matmul import all_gather_linear, linear_reduce_scatter
+    from autojigsaw.mesh import MeshAxis
 
     t, k, n = sizes["tokens"], sizes["d_in"], sizes["d_out"]
     x = torch.randn(t, k, device=device, dtype=dtype, requires_grad=True)
     w = (torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5).requires_grad_()
     b, h, s, d = sizes["attn"]
     q, kk, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    one = dict(sizes=(t,), coord=0, axis="tensor", group=group)
+    one = dict(sizes=(t,), axis=MeshAxis("tensor", 1, group, 0))
 
     def linear(x, w):
         return F.linear(x, w)
@@ -132,7 +133,7 @@ def kernel_rows(device: str, group: str, sizes: dict, dtype, spec, modes, failur
         ("linear: linear_reduce_scatter", linear,
          lambda x, w: linear_reduce_scatter(x, w, dim=0, op="sum", **one), (x, w), linear_s),
         ("causal attention: ring_attention", sdpa,
-         lambda q, k, v: ring_attention(q, k, v, is_causal=True, seq_sizes=(s,), coord=0, axis="seq", group=group),
+         lambda q, k, v: ring_attention(q, k, v, is_causal=True, seq_sizes=(s,), axis=MeshAxis("seq", 1, group, 0)),
          (q, kk, v), sdpa_s),
     ]
     return [_row(name, c, lambda: _fwd_bwd(_maybe_compiled(ref, c), *inputs),

@@ -15,7 +15,7 @@ from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.kernels import bucketed
 from autojigsaw.kernels import collectives as C
 from autojigsaw.ir import GradKind
-from autojigsaw.mesh import MeshSpec, RankView
+from autojigsaw.mesh import MeshAxis, MeshSpec, RankView
 from autojigsaw.placements import chunk_sizes
 from autojigsaw.rewrite import bucket
 from autojigsaw.rewrite.rewrite import rewrite
@@ -82,7 +82,8 @@ def test_bucketed_plans_train_like_single_device_and_send_the_predicted_bytes(ra
 
 def _kernels_against_single_collectives():
     """Uneven chunks on several dims: a bucket's values and gradients equal one collective per value."""
-    n, r, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD.group_name
+    n, r = dist.get_world_size(), dist.get_rank()
+    axis = MeshAxis("a", n, dist.group.WORLD.group_name, r)
     torch.manual_seed(r)
     shapes, dims = [(3, 7, 5), (5, 3), (2, 9)], (1, 0, 1)  # 7, 5 and 9 split unevenly
     sizes = tuple(chunk_sizes(s[d], n) for s, d in zip(shapes, dims))
@@ -91,18 +92,18 @@ def _kernels_against_single_collectives():
     out = {}
     for grad in (GradKind.R, GradKind.P):
         one = [x.clone().requires_grad_() for x in xs]
-        ys = [C.all_gather(x, dim=d, sizes=z, coord=r, axis="a", group=group, grad=grad)
+        ys = [C.all_gather(x, dim=d, sizes=z, axis=axis, grad=grad)
               for x, d, z in zip(one, dims, sizes)]
         torch.autograd.backward(ys, gs)
         many = [x.clone().requires_grad_() for x in xs]
-        yb = bucketed.bucket_all_gather(*many, dims=dims, sizes=sizes, coord=r, axis="a", group=group, grad=grad)
+        yb = bucketed.bucket_all_gather(*many, dims=dims, sizes=sizes, axis=axis, grad=grad)
         torch.autograd.backward(list(yb), gs)
         pairs = zip(ys + [x.grad for x in one], list(yb) + [x.grad for x in many])
         out[grad] = all(torch.equal(a, b) for a, b in pairs)
     one = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in shapes]  # replicated values
-    torch.autograd.backward([C.grad_all_reduce(x, n=n, axis="a", group=group) for x in one], gs)
+    torch.autograd.backward([C.grad_all_reduce(x, axis=axis) for x in one], gs)
     many = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in shapes]
-    torch.autograd.backward(list(bucketed.bucket_grad_all_reduce(*many, n=n, axis="a", group=group)), gs)
+    torch.autograd.backward(list(bucketed.bucket_grad_all_reduce(*many, axis=axis)), gs)
     out["grad_all_reduce"] = all(torch.equal(a.grad, b.grad) for a, b in zip(one, many))
     return out
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from autojigsaw.kernels import collectives as C
+from autojigsaw.mesh import MeshAxis
 from autojigsaw.placements import chunk_sizes
 
 SHAPE = (3, 7, 5)  # 7 does not divide by 2 or 4
@@ -15,11 +16,11 @@ SHAPE = (3, 7, 5)  # 7 does not divide by 2 or 4
 
 def _setup():
     n, r = dist.get_world_size(), dist.get_rank()
-    group = dist.group.WORLD.group_name
+    axis = MeshAxis("a", n, dist.group.WORLD.group_name, r)
     torch.manual_seed(0)
     full = torch.randn(SHAPE, dtype=torch.float64)
     grad = torch.randn(SHAPE, dtype=torch.float64)
-    return n, r, group, full, grad
+    return n, r, axis, full, grad
 
 
 def _chunk(t, dim, n, r):
@@ -33,12 +34,12 @@ def _contribution(g, n, r):
 
 
 def _all_gather_case():
-    n, r, group, full, grad = _setup()
+    n, r, axis, full, grad = _setup()
     out = {}
     for mode in ("R", "P"):
         x, sizes = _chunk(full, 1, n, r)
         x = x.clone().requires_grad_()
-        y = C.all_gather(x, dim=1, sizes=sizes, coord=r, axis="a", group=group, grad=mode)
+        y = C.all_gather(x, dim=1, sizes=sizes, axis=axis, grad=mode)
         g = grad if mode == "R" else _contribution(grad, n, r)
         y.backward(g)
         out[mode] = (torch.equal(y, full), torch.allclose(x.grad, _chunk(grad, 1, n, r)[0]))
@@ -46,50 +47,49 @@ def _all_gather_case():
 
 
 def _reduce_scatter_case():
-    n, r, group, full, grad = _setup()
+    n, r, axis, full, grad = _setup()
     x = _contribution(full, n, r).clone().requires_grad_()
     sizes = chunk_sizes(SHAPE[2], n)
-    y = C.reduce_scatter(x, dim=2, sizes=sizes, coord=r, op="sum", axis="a", group=group)
+    y = C.reduce_scatter(x, dim=2, sizes=sizes, op="sum", axis=axis)
     y.backward(_chunk(grad, 2, n, r)[0])
     return torch.allclose(y, _chunk(full, 2, n, r)[0]), torch.allclose(x.grad, grad)
 
 
 def _all_reduce_case():
-    n, r, group, full, grad = _setup()
+    n, r, axis, full, grad = _setup()
     out = {}
     for mode in ("R", "P"):
         x = _contribution(full, n, r).clone().requires_grad_()
-        y = C.all_reduce(x, op="sum", n=n, axis="a", group=group, grad=mode)
+        y = C.all_reduce(x, op="sum", axis=axis, grad=mode)
         y.backward(grad if mode == "R" else _contribution(grad, n, r))
         out[mode] = (torch.allclose(y, full), torch.allclose(x.grad, grad))
     return out
 
 
 def _all_to_all_case():
-    n, r, group, full, grad = _setup()
+    n, r, axis, full, grad = _setup()
     x, src_sizes = _chunk(full, 1, n, r)
     x = x.clone().requires_grad_()
     dst_sizes = chunk_sizes(SHAPE[0], n)
-    y = C.all_to_all(x, src_dim=1, dst_dim=0, src_sizes=src_sizes, dst_sizes=dst_sizes,
-                     coord=r, axis="a", group=group)
+    y = C.all_to_all(x, src_dim=1, dst_dim=0, src_sizes=src_sizes, dst_sizes=dst_sizes, axis=axis)
     y.backward(_chunk(grad, 0, n, r)[0])
     return torch.equal(y, _chunk(full, 0, n, r)[0]), torch.allclose(x.grad, _chunk(grad, 1, n, r)[0])
 
 
 def _slice_and_partial_case():
-    n, r, group, full, grad = _setup()
+    n, r, axis, full, grad = _setup()
     out = {}
     for mode in ("R", "P"):
         x = full.clone().requires_grad_()
         sizes = chunk_sizes(SHAPE[1], n)
-        y = C.shard_slice(x, dim=1, sizes=sizes, coord=r, axis="a", group=group, grad=mode)
+        y = C.shard_slice(x, dim=1, sizes=sizes, axis=axis, grad=mode)
         y.backward(_chunk(grad, 1, n, r)[0])
         got = x.grad.clone()
         if mode == "P":
             dist.all_reduce(got)
         out[mode] = (torch.equal(y, _chunk(full, 1, n, r)[0]), torch.allclose(got, grad))
     x = full.clone().requires_grad_()
-    y = C.to_partial(x, op="sum", coord=r, n=n, grad="R")
+    y = C.to_partial(x, op="sum", axis=axis, grad="R")
     total = y.detach().clone()
     dist.all_reduce(total)
     y.backward(grad)  # the gradient of a Partial value is full on every rank

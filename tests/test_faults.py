@@ -2,7 +2,8 @@
 
 A dedicated pool of 2 ranks with a 5 s collective timeout (a hang fails the test, never CI).
 The survivor's error is a CollectiveError (a RuntimeError) whose message names the collective,
-the mesh axis and the graph node it served; gloo's own error stays chained as its cause.
+the mesh axis and the graph node it served; gloo's own error stays chained as its cause. The
+kernels that overlap their own collectives (fused linears, ring attention, zigzag) raise the same.
 """
 
 import json
@@ -13,7 +14,11 @@ import pytest
 import torch
 
 import autojigsaw
+from autojigsaw.ir import GradKind
+from autojigsaw.kernels.attention import ring_attention, to_zigzag
 from autojigsaw.kernels.collectives import CollectiveError
+from autojigsaw.kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
+from autojigsaw.mesh import MeshAxis
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from .models import build
@@ -60,3 +65,45 @@ def test_the_survivor_raises_in_time_naming_collective_and_node(tmp_path, fault)
     assert any(k in msg for k in ("all_gather", "all_reduce", "reduce_scatter")), msg
     assert "mesh axis 'tensor'" in msg and "graph node" in msg and " for " in msg, msg
     assert got["cause"] is not None, got
+
+
+def _kernel_fault_case(report: str) -> dict:
+    if torch.distributed.get_rank() == 1:
+        os._exit(1)
+    axis = MeshAxis("tensor", 2, torch.distributed.group.WORLD.group_name, 0)
+    x, w, q = torch.randn(4, 3, 8), torch.randn(5, 8), torch.randn(1, 2, 3, 4)
+    calls = {
+        "all_gather_linear": lambda: all_gather_linear(x, w, dim=1, sizes=(3, 3), axis=axis, grad=GradKind.R),
+        "linear_reduce_scatter": lambda: linear_reduce_scatter(torch.randn(4, 6, 8), w, dim=1, sizes=(3, 3),
+                                                               op="sum", axis=axis),
+        "summa_linear": lambda: summa_linear(x, torch.randn(3, 8), weight_sizes=(3, 2), out_sizes=(3, 2),
+                                             domain=axis, tensor=axis),
+        "ring_attention": lambda: ring_attention(q, q, q, seq_sizes=(3, 3), axis=axis),
+        "to_zigzag": lambda: to_zigzag(q, dim=-2, seq_len=6, axis=axis),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except CollectiveError as e:
+            out[name] = str(e)
+        except Exception as e:  # noqa: BLE001 - the test reports which type it was
+            out[name] = f"not a CollectiveError: {type(e).__name__}: {e}"
+    with open(report, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def test_a_dead_peer_in_any_kernel_raises_a_collective_error(tmp_path):
+    report = str(tmp_path / "rank0.json")
+    with LocalRanks(2, collective_timeout=TIMEOUT) as pool:
+        try:
+            pool.run(_kernel_fault_case, report, timeout=30)
+        except (TimeoutError, RuntimeError):
+            pass  # the dead rank never answers; rank 0 wrote its report
+    got = json.load(open(report))
+    assert len(got) == 5, got
+    for name, msg in got.items():
+        assert msg.split(" over mesh axis 'tensor'")[0] in ("all_gather", "reduce_scatter", "send_recv",
+                                                           "all_to_all"), (name, msg)

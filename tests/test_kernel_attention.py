@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from autojigsaw.kernels.attention import from_zigzag, ring_attention, to_zigzag, zigzag_sizes
 from autojigsaw.kernels.collectives import count_comm
+from autojigsaw.mesh import MeshAxis
 
 B, H, D = 2, 4, 8
 F32, F64 = torch.float32, torch.float64
@@ -27,7 +28,8 @@ def _positions(seq_len, n, r, layout):
 
 
 def _world():
-    return dist.get_world_size(), dist.get_rank(), dist.group.WORLD.group_name
+    n, r = dist.get_world_size(), dist.get_rank()
+    return n, r, MeshAxis("seq", n, dist.group.WORLD.group_name, r)
 
 
 def _global_mask(kind, seq_len, dtype, gen):
@@ -53,7 +55,7 @@ def _nc(x):
 
 
 def _attention_case(seq_len, dtype, causal, layout, mask_kind, hkv, transposed, scale):
-    n, r, group = _world()
+    n, r, seq = _world()
     gen = torch.Generator().manual_seed(seq_len)
     q, dout = (torch.randn(B, H, seq_len, D, generator=gen, dtype=dtype) for _ in range(2))
     k, v = (torch.randn(B, hkv, seq_len, D, generator=gen, dtype=dtype) for _ in range(2))
@@ -79,7 +81,7 @@ def _attention_case(seq_len, dtype, causal, layout, mask_kind, hkv, transposed, 
     if mask is not None and mask.shape[2] != 1:
         my_mask = mask.index_select(2, pos).detach().requires_grad_(mask_grad)
     out = ring_attention(*mine, my_mask, is_causal=causal, scale=scale, enable_gqa=hkv != H,
-                         seq_sizes=sizes, layout=layout, coord=r, axis="seq", group=group)
+                         seq_sizes=sizes, layout=layout, axis=seq)
     my_dout = dout.index_select(2, pos)
     out.backward(_nc(my_dout) if transposed else my_dout)
 
@@ -135,8 +137,8 @@ def _one_rank_case():
     sub, _ = dist.new_subgroups(group_size=1)
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, 6, D, dtype=F64, requires_grad=True) for _ in range(3))
-    out = ring_attention(q, k, v, is_causal=True, seq_sizes=(6,), layout="zigzag", coord=0,
-                         axis="seq", group=sub.group_name)
+    out = ring_attention(q, k, v, is_causal=True, seq_sizes=(6,), layout="zigzag",
+                         axis=MeshAxis("seq", 1, sub.group_name, 0))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
@@ -148,14 +150,14 @@ def test_one_rank_is_sdpa(ranks2):
 
 
 def _zigzag_case(seq_len, dim):
-    n, r, group = _world()
+    n, r, seq = _world()
     gen = torch.Generator().manual_seed(1)
     shape = [2, 3, 5]
     shape[dim] = seq_len
     full, grad = (torch.randn(shape, generator=gen, dtype=F64) for _ in range(2))
     contiguous = _positions(seq_len, n, r, "contiguous")
     zigzag = _positions(seq_len, n, r, "zigzag")
-    kw = dict(dim=dim, seq_len=seq_len, coord=r, n=n, axis="seq", group=group)
+    kw = dict(dim=dim, seq_len=seq_len, axis=seq)
     x = full.index_select(dim, contiguous).requires_grad_()
     z = to_zigzag(x, **kw)
     z.backward(grad.index_select(dim, zigzag))  # adjoint: the gradient comes back contiguous
@@ -173,12 +175,12 @@ def test_zigzag_round_trip_and_adjoint(ranks4, seq_len, dim):
 
 
 def _comm_case():
-    n, r, group = _world()
+    n, r, seq = _world()
     q = torch.randn(B, H, (3, 3, 3, 1)[r], D, requires_grad=True)
     k, v = (torch.randn(B, 2, (3, 3, 3, 1)[r], D, requires_grad=True) for _ in range(2))
     with count_comm() as log:
         ring_attention(q, k, v, is_causal=True, enable_gqa=True, seq_sizes=(3, 3, 3, 1),
-                       coord=r, axis="seq", group=group).sum().backward()
+                       axis=seq).sum().backward()
     return log.calls
 
 
@@ -190,7 +192,7 @@ def test_ring_traffic_is_counted(ranks4):
 
 
 def _saved_bytes_case(local_len, layout):
-    n, r, group = _world()
+    n, r, seq = _world()
     q, k, v = (torch.randn(B, H, local_len, D, requires_grad=True) for _ in range(3))
     saved = []
 
@@ -200,7 +202,7 @@ def _saved_bytes_case(local_len, layout):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = ring_attention(q, k, v, is_causal=True, seq_sizes=(local_len,) * n, layout=layout,
-                             coord=r, axis="seq", group=group)
+                             axis=seq)
     out.sum().backward()
     return saved
 
@@ -217,17 +219,17 @@ def test_saved_memory_scales_with_local_shard(ranks2, layout):
 
 
 def _bad_inputs_case():
-    n, r, group = _world()
+    n, r, seq = _world()
     q, k3 = torch.randn(B, 4, 4, D), torch.randn(B, 3, 4, D)
     k, q3 = torch.randn(B, 2, 4, D), torch.randn(B, 4, 3, D)
-    kw = dict(seq_sizes=(4, 4), coord=r, axis="seq", group=group)
+    kw = dict(seq_sizes=(4, 4), axis=seq)
     calls = {
         "heads not divisible": lambda: ring_attention(q, k3, k3, enable_gqa=True, **kw),
         "gqa not enabled": lambda: ring_attention(q, k, k, **kw),
         "seq_sizes vs group": lambda: ring_attention(q, q, q, **{**kw, "seq_sizes": (4, 4, 4)}),
         "local length": lambda: ring_attention(q, q, q, **{**kw, "seq_sizes": (5, 3)}),
         "not zigzag": lambda: ring_attention(q3, q3, q3, layout="zigzag", seq_sizes=(3, 3),
-                                             coord=0, axis="seq", group=group),  # (2, 4) is
+                                             axis=seq._replace(coord=0)),  # (2, 4) is
         "layout name": lambda: ring_attention(q, q, q, layout="striped", **kw),
         "mask columns": lambda: ring_attention(q, q, q, torch.ones(4, 4, dtype=torch.bool), **kw),
         "mask grad": lambda: ring_attention(q, q, q, torch.zeros(1, 8, requires_grad=True), **kw),

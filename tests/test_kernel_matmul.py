@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from autojigsaw.kernels import collectives as C
 from autojigsaw.kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
+from autojigsaw.mesh import MeshAxis
 from autojigsaw.testing.local_ranks import get_mesh
 from autojigsaw.placements import chunk_sizes
 
@@ -75,8 +76,7 @@ def _all_gather_linear_case():
             y_ref, (dx, dw, db) = _reference(F.linear, x, w, b, grad=g)
             sizes = chunk_sizes(x.shape[dim], n)
             xl, wl, bl = _leaf(_chunk(x, dim, sizes, r)), _leaf(w), _leaf(b)
-            y = all_gather_linear(xl, wl, bl, dim=dim, sizes=sizes, coord=r, axis="a",
-                                  group=group, grad=mode)
+            y = all_gather_linear(xl, wl, bl, dim=dim, sizes=sizes, axis=MeshAxis("a", n, group, r), grad=mode)
             y.backward(_contribution(g, n, r) if mode == "P" else g)
             case = f"{dtype} {x.ndim}-d dim={dim} grad={mode}"
             _check(fails, f"y {case}", y, y_ref)
@@ -111,8 +111,7 @@ def _linear_reduce_scatter_case():
             # The composition adds the bias on every rank: give it to rank 0 only.
             xl, wl = _leaf(_chunk(x, -1, ins, r)), _leaf(_chunk(w, 1, ins, r))
             bl = _leaf(b) if r == 0 else None
-            y = linear_reduce_scatter(xl, wl, bl, dim=dim, sizes=sizes, coord=r, op=op, axis="a",
-                                      group=group)
+            y = linear_reduce_scatter(xl, wl, bl, dim=dim, sizes=sizes, op=op, axis=MeshAxis("a", n, group, r))
             y.backward(_chunk(g, dim, sizes, r))
             case = f"{dtype} {x.ndim}-d dim={dim} op={op}"
             _check(fails, f"y {case}", y, _chunk(y_ref, dim, sizes, r))
@@ -135,10 +134,8 @@ def test_linear_reduce_scatter(world, ranks2, ranks4):
 def _summa_axes(shape):
     mesh = get_mesh(shape, ("domain", "tensor"))
     d, t = mesh.get_group("domain"), mesh.get_group("tensor")
-    return (dict(domain_coord=mesh.get_local_rank("domain"), domain_axis="domain",
-                 domain_group=d.group_name,
-                 tensor_coord=mesh.get_local_rank("tensor"), tensor_axis="tensor",
-                 tensor_group=t.group_name), d)
+    return (dict(domain=MeshAxis("domain", shape[0], d.group_name, mesh.get_local_rank("domain")),
+                 tensor=MeshAxis("tensor", shape[1], t.group_name, mesh.get_local_rank("tensor"))), d)
 
 
 def _summa_shards(shape, out, inn):
@@ -149,7 +146,7 @@ def _summa_shards(shape, out, inn):
 
 def _summa_case(shape):
     axes, domain_group = _summa_axes(shape)
-    dc, tc = axes["domain_coord"], axes["tensor_coord"]
+    dc, tc = axes["domain"].coord, axes["tensor"].coord
     toks, w_rows, ins, outs = _summa_shards(shape, HID, IN)
     fails = []
     for dtype in DTYPES:
@@ -205,9 +202,9 @@ def _chain_case():
               _leaf(_chunk(b1, 0, hid, r)), _leaf(_chunk(w2, 1, hid, r)),
               _leaf(b2) if r == 0 else None]
     xl, w1l, b1l, w2l, b2l = leaves
-    h = all_gather_linear(xl, w1l, b1l, dim=1, sizes=toks, coord=r, axis="a", group=group, grad="P")
-    y = linear_reduce_scatter(h, w2l, b2l, dim=1, sizes=toks, coord=r, op="sum", axis="a",
-                              group=group)
+    ax = MeshAxis("a", n, group, r)
+    h = all_gather_linear(xl, w1l, b1l, dim=1, sizes=toks, axis=ax, grad="P")
+    y = linear_reduce_scatter(h, w2l, b2l, dim=1, sizes=toks, op="sum", axis=ax)
     y.backward(_chunk(g, 1, toks, r))
     _check(fails, "mlp y", y, _chunk(y_ref, 1, toks, r))
     wants = [_chunk(grads[0], 1, toks, r), _chunk(grads[1], 0, hid, r),
@@ -217,7 +214,7 @@ def _chain_case():
             _check(fails, f"mlp {name}", leaf.grad, want)
 
     axes, _ = _summa_axes((2, n // 2))
-    dc, tc = axes["domain_coord"], axes["tensor_coord"]
+    dc, tc = axes["domain"].coord, axes["tensor"].coord
     toks, w1_rows, ins, hids = _summa_shards((2, n // 2), HID, IN)
     _, w2_rows, _, outs = _summa_shards((2, n // 2), OUT, HID)
 
@@ -262,7 +259,7 @@ def _traffic_case():
     torch.manual_seed(2)
     x, w, g = _randn(B, T, IN, dtype=torch.float32), torch.randn(OUT, IN), torch.randn(B, T, OUT)
     toks, ins = chunk_sizes(T, n), chunk_sizes(IN, n)
-    ax = dict(coord=r, axis="a", group=group)
+    ax = dict(axis=MeshAxis("a", n, group, r))
     xl, xin, win = _chunk(x, 1, toks, r), _chunk(x, 2, ins, r), _chunk(w, 1, ins, r)
     pairs = {
         "all_gather_linear": (
@@ -282,15 +279,14 @@ def _traffic_case():
     }
     axes, _ = _summa_axes((2, n // 2))
     toks2, w_rows, ins2, outs = _summa_shards((2, n // 2), OUT, IN)
-    dc, tc = axes["domain_coord"], axes["tensor_coord"]
+    dc, tc = axes["domain"].coord, axes["tensor"].coord
     xs = _chunk(_chunk(x, 1, toks2, dc), 2, ins2, tc)
     ws = _chunk(_chunk(w, 0, w_rows, dc), 1, ins2, tc)
     pairs["summa_linear"] = (
         lambda: summa_linear(_leaf(xs), _leaf(ws), weight_sizes=w_rows, out_sizes=outs, **axes),
         lambda: C.reduce_scatter(
-            F.linear(_leaf(xs), C.all_gather(_leaf(ws), dim=0, sizes=w_rows, coord=dc,
-                                             axis="domain", group=axes["domain_group"], grad="P")),
-            dim=2, sizes=outs, coord=tc, op="sum", axis="tensor", group=axes["tensor_group"]),
+            F.linear(_leaf(xs), C.all_gather(_leaf(ws), dim=0, sizes=w_rows, axis=axes["domain"], grad="P")),
+            dim=2, sizes=outs, op="sum", axis=axes["tensor"]),
         _chunk(_chunk(g, 1, toks2, dc), 2, outs, tc))
     out = {}
     for name, (fused, plain, grad) in pairs.items():
@@ -316,7 +312,7 @@ def _bad_sizes_case():
     group = dist.group.WORLD.group_name
     x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
     try:
-        all_gather_linear(x, w, dim=1, sizes=(3,), coord=0, axis="domain", group=group, grad="P")
+        all_gather_linear(x, w, dim=1, sizes=(3,), axis=MeshAxis("domain", dist.get_world_size(), group, 0), grad="P")
     except ValueError as e:
         return str(e)
     return "no error"

@@ -14,6 +14,7 @@ from autojigsaw.ir import bytes_sent
 from autojigsaw.kernels import collectives as C
 from autojigsaw.kernels.norm import sharded_layer_norm, sharded_rms_norm
 from autojigsaw.kernels.softmax import sharded_log_softmax, sharded_softmax
+from autojigsaw.mesh import MeshAxis
 from autojigsaw.placements import chunk_sizes
 
 DTYPES = (torch.float32, torch.float64)
@@ -35,7 +36,7 @@ def _leaf(t):
 
 
 def _world():
-    return dict(n=dist.get_world_size(), axis="a", group=dist.group.WORLD.group_name)
+    return dict(axis=MeshAxis("a", dist.get_world_size(), dist.group.WORLD.group_name, dist.get_rank()))
 
 
 def _check(fails, name, got, want, tol=None):
@@ -222,7 +223,7 @@ def _bad_input_case():
     for call in (lambda: sharded_softmax(torch.randn(2, 3), 2, **w),
                  lambda: sharded_layer_norm(torch.randn(2, 5), (4,), **w),
                  lambda: sharded_rms_norm(torch.randn(2, 2), (4,), torch.ones(3), **w),
-                 lambda: sharded_softmax(torch.randn(2, 3), 1, **{**w, "n": 3})):
+                 lambda: sharded_softmax(torch.ones(2, 3, dtype=torch.long), 1, **w)):
         try:
             call()
         except ValueError as e:

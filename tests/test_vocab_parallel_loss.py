@@ -22,6 +22,7 @@ from autojigsaw import Plan
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.kernels.cross_entropy import vocab_parallel_cross_entropy
+from autojigsaw.mesh import MeshAxis
 from autojigsaw.testing.local_ranks import get_mesh
 from autojigsaw.rewrite.traffic import traffic_by_origin
 from autojigsaw.placements import Partial, Shard, chunk_sizes
@@ -54,8 +55,8 @@ def _kernel_case(row_split: int):
     else:  # a 2x2 mesh: rows over dim 0, classes over dim 1
         mesh = get_mesh((row_split, classes_n), ("rows", "classes"))
         class_group = mesh.get_group("classes").group_name
-        count_over = ((row_split, "rows", mesh.get_group("rows").group_name),)
         row_r, class_r = mesh.get_coordinate()
+        count_over = (MeshAxis("rows", row_split, mesh.get_group("rows").group_name, row_r),)
     fails = []
     cases = [(dtype, shape, reduction, smoothing) for dtype in (torch.float32, torch.float64)
              for shape in ((ROWS, V), (3, V, 4)) for reduction in ("mean", "sum", "none")
@@ -74,7 +75,7 @@ def _kernel_case(row_split: int):
         t = _chunk(target, 0, row_split, row_r)
         loss = vocab_parallel_cross_entropy(
             mine, t, reduction, -100, smoothing, classes=V, offset=sum(sizes[:class_r]),
-            n=classes_n, axis="classes", group=class_group,
+            axis=MeshAxis("classes", classes_n, class_group, class_r),
             count_over=count_over if reduction == "mean" else ())
         gl = g if reduction != "none" else _chunk(g, 0, row_split, row_r)
         (loss * gl).sum().backward()

@@ -5,8 +5,8 @@ for all its strategies at once, as numpy arrays: local shapes per strategy, then
 compiled formulas of compute.py. Memory is liveness.py's. Shapes are those of the rank
 holding the largest shards (mesh coordinate 0: torch.chunk puts the larger chunks first).
 
-Kernels that communicate inside, or do other work than their op, price themselves with
-`kernels.registry.cost`: their function replaces the default time (and saved bytes).
+Kernels that communicate inside, or do other work than their op, price themselves: the `cost`
+of their `kernels.registry.Kernel` replaces the default time (and saved bytes).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..ir import Strategy, adjoint, bytes_sent, output_values, redistribute_step
 from ..kernels import registry
 from ..mesh import MeshSpec
 from ..placements import Placements, local_shape
-from ..training import Regime, data_axis
+from ..training import Regime, data_axes
 from .comm import collective_time
 from .compute import memory_time, op_kind, roofline_time
 from .devices import DeviceSpec
@@ -49,8 +49,8 @@ class CostContext:
     @property
     def fsdp_axis(self) -> int | None:
         """The data axis FSDP shards the weights over (None: no FSDP, or one rank)."""
-        axis = data_axis(self.mesh) if self.regime.fsdp else None
-        return axis if axis is not None and self.mesh.sizes[axis] > 1 else None
+        axes = data_axes(self.mesh) if self.regime.fsdp else ()
+        return axes[0] if axes and self.mesh.sizes[axes[0]] > 1 else None
 
     def param_memory(self, itemsize: int) -> ParamMemory:
         """What a parameter computed with `itemsize`-byte elements keeps, under this regime."""

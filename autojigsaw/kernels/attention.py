@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from ..dtypes import acc_dtype
-from .collectives import c10d, pad_dim
+from ..mesh import MeshAxis
+from .collectives import pad_dim, wait
 from .ring import Layout, from_zigzag, make_layout, ring_shift, to_zigzag, zigzag_sizes
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag", "zigzag_sizes"]
@@ -119,8 +120,8 @@ def _unpack(buf, shape_a, shape_b):
 
 
 def _ring_forward(q, k, v, mask, spec):
-    layout, coord, scale, causal, axis, group = spec
-    n = len(layout)
+    layout, scale, causal, axis = spec
+    n, coord = len(layout), axis.coord
     b, h, sq, d = q.shape
     hkv, dv, acc = k.shape[1], v.shape[-1], acc_dtype(q.dtype)
     width = max(sum(length for _, length in runs) for runs in layout)
@@ -133,7 +134,7 @@ def _ring_forward(q, k, v, mask, spec):
     ]
     kv = _pack(k, v, width)
     for t in range(n):
-        pending = ring_shift(kv, n=n, coord=coord, axis=axis, group=group) if t < n - 1 else None
+        pending = ring_shift(kv, axis=axis) if t < n - 1 else None
         pairs = _pairs(layout[coord], layout[(coord - t) % n], causal)
         if pairs:
             kb, vb = (x.to(acc).unsqueeze(2) for x in _unpack(kv, kshape, vshape))
@@ -143,7 +144,7 @@ def _ring_forward(q, k, v, mask, spec):
                 vb.narrow(3, p.k_off, p.k_len), _bias(mask, p, hkv, acc, q.device), scale,
             )
         if pending is not None:
-            kv = c10d.wait_tensor(pending)
+            kv = wait("send_recv", axis, pending)
     outs, lses = zip(*(_finish(s) for s in states))
     return torch.cat(outs, 3).reshape(b, h, sq, dv).to(q.dtype), torch.cat(lses, 3)
 
@@ -158,8 +159,8 @@ def _add_mask_grad(dmask, ds, p: _Pair):
 
 
 def _ring_backward(dout, q, k, v, out, lse, mask, spec, mask_grad: bool):
-    layout, coord, scale, causal, axis, group = spec
-    n = len(layout)
+    layout, scale, causal, axis = spec
+    n, coord = len(layout), axis.coord
     b, h, sq, d = q.shape
     hkv, dv, acc = k.shape[1], v.shape[-1], acc_dtype(q.dtype)
     width = max(sum(length for _, length in runs) for runs in layout)
@@ -172,7 +173,7 @@ def _ring_backward(dout, q, k, v, out, lse, mask, spec, mask_grad: bool):
     dmask = torch.zeros(mask.shape, dtype=acc, device=q.device) if mask_grad else None
     kv, pending_dkv = _pack(k, v, width), None
     for t in range(n):
-        pending_kv = ring_shift(kv, n=n, coord=coord, axis=axis, group=group) if t < n - 1 else None
+        pending_kv = ring_shift(kv, axis=axis) if t < n - 1 else None
         pairs = _pairs(layout[coord], layout[(coord - t) % n], causal)
         dk, dvb = q5.new_zeros(kshape), q5.new_zeros(vshape)
         if pairs:
@@ -191,13 +192,13 @@ def _ring_backward(dout, q, k, v, out, lse, mask, spec, mask_grad: bool):
                 _add_mask_grad(dmask, ds, p)
         dkv = torch.cat([dk.reshape(-1), dvb.reshape(-1)])
         if pending_dkv is not None:  # the same block's dK/dV from the ranks it visited before
-            dkv = dkv + c10d.wait_tensor(pending_dkv)
+            dkv = dkv + wait("send_recv", axis, pending_dkv)
         if n > 1:  # after the last step this hop takes dK/dV home
-            pending_dkv = ring_shift(dkv, n=n, coord=coord, axis=axis, group=group)
+            pending_dkv = ring_shift(dkv, axis=axis)
         if pending_kv is not None:
-            kv = c10d.wait_tensor(pending_kv)
+            kv = wait("send_recv", axis, pending_kv)
     if pending_dkv is not None:
-        dkv = c10d.wait_tensor(pending_dkv)
+        dkv = wait("send_recv", axis, pending_dkv)
     dk, dvb = (x.narrow(2, 0, k.shape[2]) for x in _unpack(dkv, kshape, vshape))
     dmask = dmask.to(mask.dtype) if dmask is not None else None
     return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dvb.to(v.dtype), dmask
@@ -221,7 +222,7 @@ class _RingAttention(torch.autograd.Function):
 # ---------------------------------------------------------------- checks and the public op
 
 
-def _check_qkv(q, k, v, enable_gqa, seq_sizes, coord, group):
+def _check_qkv(q, k, v, enable_gqa, seq_sizes, axis: MeshAxis):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"ring_attention: q, k, v must be [batch, heads, seq, head_dim]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -236,17 +237,13 @@ def _check_qkv(q, k, v, enable_gqa, seq_sizes, coord, group):
                          f"pass enable_gqa=True for grouped-query attention")
     if h % hkv:
         raise ValueError(f"ring_attention: q heads ({h}) must be a multiple of k, v heads ({hkv})")
-    n = len(seq_sizes)
-    if not 0 <= coord < n:
-        raise ValueError(f"ring_attention: coord {coord} is outside the axis of {n} ranks")
+    if len(seq_sizes) != axis.size:
+        raise ValueError(f"ring_attention: seq_sizes has {len(seq_sizes)} entries but mesh axis {axis.name!r} "
+                         f"has {axis.size} ranks; give one local length per rank of the axis")
+    coord = axis.coord
     if sq != seq_sizes[coord] or sk != seq_sizes[coord]:
         raise ValueError(f"ring_attention: seq_sizes gives rank {coord} {seq_sizes[coord]} tokens, "
                          f"but q has {sq} and k, v {sk}; pass this rank's chunks along dim -2")
-    if not torch.compiler.is_compiling():
-        size = torch.distributed.distributed_c10d._resolve_process_group(group).size()
-        if size != n:
-            raise ValueError(f"ring_attention: seq_sizes has {n} entries but group {group!r} has "
-                             f"{size} ranks; give one local length per rank of the axis")
 
 
 def _check_mask(mask, q, seq_len):
@@ -270,11 +267,11 @@ def _check_mask(mask, q, seq_len):
 
 def ring_attention(q, k, v, attn_mask=None, *, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False, seq_sizes: tuple[int, ...], layout: str = "contiguous",
-                   coord: int, axis: str, group: str) -> torch.Tensor:
-    """This rank's rows of SDPA(Q, K, V) for q, k, v sharded along dim -2 in `layout`."""
+                   axis: MeshAxis) -> torch.Tensor:
+    """This rank's rows of SDPA(Q, K, V) for q, k, v sharded along dim -2 (over `axis`) in `layout`."""
     seq_sizes = tuple(seq_sizes)
-    _check_qkv(q, k, v, enable_gqa, seq_sizes, coord, group)
+    _check_qkv(q, k, v, enable_gqa, seq_sizes, axis)
     runs: Layout = make_layout(seq_sizes, layout)
     mask = _check_mask(attn_mask, q, sum(seq_sizes))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, mask, (runs, coord, scale, is_causal, axis, group))
+    return _RingAttention.apply(q, k, v, mask, (runs, scale, is_causal, axis))

@@ -12,7 +12,8 @@ import torch
 
 from ..dtypes import reduce_dtype
 from ..ir import GradKind
-from .collectives import _waited, c10d, pad_dim, raw_all_reduce, record
+from ..mesh import MeshAxis
+from .collectives import c10d, pad_dim, raw_all_reduce, record, waited
 
 
 def _flat(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -52,60 +53,60 @@ def _scatter_piece(g: torch.Tensor, dim: int, sizes) -> torch.Tensor:
 
 class _BucketAllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dims, sizes, coord, axis, group, grad, *xs):
-        n = len(sizes[0])
+    def forward(ctx, dims, sizes, axis, grad, *xs):
+        n = axis.size
         chunks = [_gather_chunk(x, d, s) for x, d, s in zip(xs, dims, sizes)]
         flat = _flat(chunks)
-        record("all_gather", axis, flat, n)
-        y = _waited("all_gather", axis, n, group, lambda: c10d.all_gather_into_tensor(flat, n, group)).view(n, -1)
-        ctx.args = (dims, sizes, coord, axis, group, grad, [c.shape for c in chunks], [x.dtype for x in xs])
+        record("all_gather", axis, flat)
+        y = waited("all_gather", axis, lambda: c10d.all_gather_into_tensor(flat, n, axis.group)).view(n, -1)
+        ctx.args = (dims, sizes, axis, grad, [c.shape for c in chunks], [x.dtype for x in xs])
         return tuple(_unpad(piece, d, s) for piece, d, s in zip(_split(y, [c.shape for c in chunks]), dims, sizes))
 
     @staticmethod
     def backward(ctx, *gs):
-        dims, sizes, coord, axis, group, grad, shapes, dtypes = ctx.args
+        dims, sizes, axis, grad, shapes, dtypes = ctx.args
+        c = axis.coord
         if grad == GradKind.R:
-            gx = [None if g is None else g.narrow(d, sum(s[:coord]), s[coord]) for g, d, s in zip(gs, dims, sizes)]
+            gx = [None if g is None else g.narrow(d, sum(s[:c]), s[c]) for g, d, s in zip(gs, dims, sizes)]
         else:
-            gx = _reduce_scatter_grads(gs, dims, sizes, coord, axis, group, shapes, dtypes)
-        return (None,) * 6 + tuple(gx)
+            gx = _reduce_scatter_grads(gs, dims, sizes, axis, shapes, dtypes)
+        return (None,) * 4 + tuple(gx)
 
 
-def _reduce_scatter_grads(gs, dims, sizes, coord, axis, group, shapes, dtypes):
+def _reduce_scatter_grads(gs, dims, sizes, axis: MeshAxis, shapes, dtypes):
     """The sum over ranks of each member's full gradient, this rank's chunk of it: one reduce-scatter."""
-    n = len(sizes[0])
+    n, coord = axis.size, axis.coord
     wire = reduce_dtype(dtypes[0])
     like = next(g for g in gs if g is not None)
     pieces = [like.new_zeros(n, shape.numel(), dtype=wire) if g is None else _scatter_piece(g.to(wire), d, s)
               for g, d, s, shape in zip(gs, dims, sizes, shapes)]
     flat = torch.cat(pieces, 1).reshape(-1)
-    record("reduce_scatter", axis, flat, n)
-    y = _waited("reduce_scatter", axis, n, group, lambda: c10d.reduce_scatter_tensor(flat, "sum", n, group))
+    record("reduce_scatter", axis, flat)
+    y = waited("reduce_scatter", axis, lambda: c10d.reduce_scatter_tensor(flat, "sum", n, axis.group))
     return [piece.movedim(0, d).narrow(d, 0, s[coord]).to(dt).contiguous()
             for piece, d, s, dt in zip(_split(y, shapes), dims, sizes, dtypes)]
 
 
 class _BucketGradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, n, axis, group, *xs):
-        ctx.args = (n, axis, group, [x.shape for x in xs])
+    def forward(ctx, axis, *xs):
+        ctx.args = (axis, [x.shape for x in xs])
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *gs):
-        n, axis, group, shapes = ctx.args
+        axis, shapes = ctx.args
         like = next(g for g in gs if g is not None)
         gs = [g if g is not None else like.new_zeros(shape) for g, shape in zip(gs, shapes)]
-        summed = raw_all_reduce(_flat(gs), "sum", n, axis, group)
-        return (None,) * 3 + tuple(_split(summed, shapes))
+        summed = raw_all_reduce(_flat(gs), "sum", axis)
+        return (None,) + tuple(_split(summed, shapes))
 
 
-def bucket_all_gather(*xs, dims: tuple[int, ...], sizes: tuple[tuple[int, ...], ...], coord: int, axis: str,
-                      group: str, grad: GradKind):
+def bucket_all_gather(*xs, dims: tuple[int, ...], sizes: tuple[tuple[int, ...], ...], axis: MeshAxis, grad: GradKind):
     """all_gather of every x (Shard(dims[i]) -> Replicate, chunks sizes[i]) in one call; a tuple."""
-    return _BucketAllGather.apply(dims, sizes, coord, axis, group, grad, *xs)
+    return _BucketAllGather.apply(dims, sizes, axis, grad, *xs)
 
 
-def bucket_grad_all_reduce(*xs, n: int, axis: str, group: str):
+def bucket_grad_all_reduce(*xs, axis: MeshAxis):
     """grad_all_reduce of every x in one call: identity forward, one all-reduce of all gradients backward."""
-    return _BucketGradAllReduce.apply(n, axis, group, *xs)
+    return _BucketGradAllReduce.apply(axis, *xs)

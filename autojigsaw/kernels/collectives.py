@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..dtypes import reduce_dtype
 from ..ir import GradKind, bytes_sent
+from ..mesh import MeshAxis
 
 c10d = torch.ops._c10d_functional
 
@@ -57,11 +58,11 @@ def count_comm():
         _ACTIVE_LOGS.remove(log)
 
 
-def record(kind: str, axis: str, tensor: torch.Tensor, n: int) -> None:
+def record(kind: str, axis: MeshAxis, tensor: torch.Tensor) -> None:
     if _ACTIVE_LOGS and not torch.compiler.is_compiling():
-        sent = bytes_sent(kind, tensor.numel() * tensor.element_size(), n)
+        sent = bytes_sent(kind, tensor.numel() * tensor.element_size(), axis.size)
         for log in _ACTIVE_LOGS:
-            log.calls.append((kind, axis, sent))
+            log.calls.append((kind, axis.name, sent))
 
 
 # ---------------------------------------------------------------- raw (non-autograd) ops
@@ -79,17 +80,28 @@ class CollectiveError(RuntimeError):
         self.kind, self.axis = kind, axis
 
 
-def _waited(kind: str, axis: str, n: int, group, start):
-    """The result of `start()`, a functional collective, waited for; a failure named (eager only)."""
+def named_failure(kind: str, axis: MeshAxis, fn):
+    """fn(), which starts or waits for a functional collective, a backend failure raised as a
+    CollectiveError naming `kind` and `axis` (eager only). Every collective a kernel runs goes through it."""
     if torch.compiler.is_compiling():
-        return c10d.wait_tensor(start())
+        return fn()
     try:
-        return c10d.wait_tensor(start())
+        return fn()
     except RuntimeError as e:
         raise CollectiveError(
-            f"{kind} over mesh axis {axis!r} ({n} ranks, process group {group}) failed: "
+            f"{kind} over mesh axis {axis.name!r} ({axis.size} ranks, process group {axis.group}) failed: "
             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. A peer rank died, stalled past the "
-            "process group's timeout, or runs another plan; see the other ranks' errors", kind, axis) from e
+            "process group's timeout, or runs another plan; see the other ranks' errors", kind, axis.name) from e
+
+
+def wait(kind: str, axis: MeshAxis, pending: torch.Tensor) -> torch.Tensor:
+    """The result of a started functional collective, a failure named."""
+    return named_failure(kind, axis, lambda: c10d.wait_tensor(pending))
+
+
+def waited(kind: str, axis: MeshAxis, start):
+    """The result of `start()`, a functional collective, waited for; a failure named."""
+    return named_failure(kind, axis, lambda: c10d.wait_tensor(start()))
 
 
 def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -100,19 +112,19 @@ def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
-def raw_all_gather(x, dim, sizes, axis, group):
+def raw_all_gather(x, dim, sizes, axis: MeshAxis):
     n = len(sizes)
     chunk = max(sizes)
     x = pad_dim(x, dim, chunk).movedim(dim, 0).contiguous()
-    record("all_gather", axis, x, n)
-    y = _waited("all_gather", axis, n, group, lambda: c10d.all_gather_into_tensor(x, n, group))
+    record("all_gather", axis, x)
+    y = waited("all_gather", axis, lambda: c10d.all_gather_into_tensor(x, n, axis.group))
     y = y.movedim(0, dim)  # all chunks, each padded to `chunk`
     if all(s == chunk for s in sizes):
         return y.contiguous()
     return torch.cat([y.narrow(dim, i * chunk, s) for i, s in enumerate(sizes)], dim)
 
 
-def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
+def _raw_reduce_scatter(x, dim, sizes, op, axis: MeshAxis):
     n = len(sizes)
     chunk = max(sizes)
     dtype, x = x.dtype, x.to(reduce_dtype(x.dtype, op))
@@ -120,21 +132,21 @@ def _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group):
         pieces = torch.split(x, list(sizes), dim)
         x = torch.cat([pad_dim(p, dim, chunk) for p in pieces], dim)
     x = x.movedim(dim, 0).contiguous()
-    record("reduce_scatter", axis, x, n)
-    y = _waited("reduce_scatter", axis, n, group, lambda: c10d.reduce_scatter_tensor(x, _wire_op(op), n, group))
+    record("reduce_scatter", axis, x)
+    y = waited("reduce_scatter", axis, lambda: c10d.reduce_scatter_tensor(x, _wire_op(op), n, axis.group))
     if op == "avg":
         y = y / n
-    return y.movedim(0, dim).narrow(dim, 0, sizes[coord]).to(dtype).contiguous()
+    return y.movedim(0, dim).narrow(dim, 0, sizes[axis.coord]).to(dtype).contiguous()
 
 
-def raw_all_reduce(x, op, n, axis, group):
+def raw_all_reduce(x, op, axis: MeshAxis):
     dtype, x = x.dtype, x.to(reduce_dtype(x.dtype, op)).contiguous()
-    record("all_reduce", axis, x, n)
-    y = _waited("all_reduce", axis, n, group, lambda: c10d.all_reduce(x, _wire_op(op), group))
-    return (y / n if op == "avg" else y).to(dtype)
+    record("all_reduce", axis, x)
+    y = waited("all_reduce", axis, lambda: c10d.all_reduce(x, _wire_op(op), axis.group))
+    return (y / axis.size if op == "avg" else y).to(dtype)
 
 
-def _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, group):
+def _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, axis: MeshAxis):
     """Local S(src_dim) shard -> local S(dst_dim) shard on the same axis."""
     n = len(src_sizes)
     src_chunk, dst_chunk = max(src_sizes), max(dst_sizes)
@@ -143,10 +155,10 @@ def _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, grou
         for piece in torch.split(x, list(dst_sizes), dst_dim)
     ]
     buf = torch.stack(send).contiguous()
-    record("all_to_all", axis, buf, n)
-    recv = _waited("all_to_all", axis, n, group, lambda: c10d.all_to_all_single(buf, [1] * n, [1] * n, group))
+    record("all_to_all", axis, buf)
+    recv = waited("all_to_all", axis, lambda: c10d.all_to_all_single(buf, [1] * n, [1] * n, axis.group))
     pieces = [
-        recv[i].narrow(src_dim, 0, src_sizes[i]).narrow(dst_dim, 0, dst_sizes[coord])
+        recv[i].narrow(src_dim, 0, src_sizes[i]).narrow(dst_dim, 0, dst_sizes[axis.coord])
         for i in range(n)
     ]
     return torch.cat(pieces, src_dim)
@@ -166,123 +178,122 @@ def _offset(sizes, coord) -> int:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, sizes, coord, axis, group, grad):
-        ctx.args = (dim, sizes, coord, axis, group, grad)
-        return raw_all_gather(x, dim, sizes, axis, group)
+    def forward(ctx, x, dim, sizes, axis, grad):
+        ctx.args = (dim, sizes, axis, grad)
+        return raw_all_gather(x, dim, sizes, axis)
 
     @staticmethod
     def backward(ctx, g):
-        dim, sizes, coord, axis, group, grad = ctx.args
+        dim, sizes, axis, grad = ctx.args
         if grad == GradKind.R:
-            gx = g.narrow(dim, _offset(sizes, coord), sizes[coord])
+            gx = g.narrow(dim, _offset(sizes, axis.coord), sizes[axis.coord])
         else:
-            gx = _raw_reduce_scatter(g, dim, sizes, coord, "sum", axis, group)
-        return gx, None, None, None, None, None, None
+            gx = _raw_reduce_scatter(g, dim, sizes, "sum", axis)
+        return gx, None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, sizes, coord, op, axis, group):
-        ctx.args = (dim, sizes, axis, group, op)
-        return _raw_reduce_scatter(x, dim, sizes, coord, op, axis, group)
+    def forward(ctx, x, dim, sizes, op, axis):
+        ctx.args = (dim, sizes, axis, op)
+        return _raw_reduce_scatter(x, dim, sizes, op, axis)
 
     @staticmethod
     def backward(ctx, g):
-        dim, sizes, axis, group, op = ctx.args
-        gx = raw_all_gather(g.contiguous(), dim, sizes, axis, group)
+        dim, sizes, axis, op = ctx.args
+        gx = raw_all_gather(g.contiguous(), dim, sizes, axis)
         if op == "avg":
             gx = gx / len(sizes)
-        return gx, None, None, None, None, None, None
+        return gx, None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, op, n, axis, group, grad):
-        ctx.args = (op, n, axis, group, grad)
-        y = raw_all_reduce(x, op, n, axis, group)
+    def forward(ctx, x, op, axis, grad):
+        ctx.args = (op, axis, grad)
+        y = raw_all_reduce(x, op, axis)
         if op in ("max", "min"):
             ctx.save_for_backward(x == y)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        op, n, axis, group, grad = ctx.args
+        op, axis, grad = ctx.args
         if grad == GradKind.P:
-            g = raw_all_reduce(g, "sum", n, axis, group)
+            g = raw_all_reduce(g, "sum", axis)
         if op == "avg":
-            g = g / n
+            g = g / axis.size
         elif op in ("max", "min"):
             (winner,) = ctx.saved_tensors
             g = g * winner
-        return g, None, None, None, None, None
+        return g, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, group):
-        ctx.args = (src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, group)
-        return _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, group)
+    def forward(ctx, x, src_dim, dst_dim, src_sizes, dst_sizes, axis):
+        ctx.args = (src_dim, dst_dim, src_sizes, dst_sizes, axis)
+        return _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, axis)
 
     @staticmethod
     def backward(ctx, g):
-        src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, group = ctx.args
-        gx = _raw_all_to_all(g, dst_dim, src_dim, dst_sizes, src_sizes, coord, axis, group)
-        return gx, None, None, None, None, None, None, None
+        src_dim, dst_dim, src_sizes, dst_sizes, axis = ctx.args
+        gx = _raw_all_to_all(g, dst_dim, src_dim, dst_sizes, src_sizes, axis)
+        return gx, None, None, None, None, None
 
 
 class _ShardSlice(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, sizes, coord, axis, group, grad):
-        ctx.args = (dim, sizes, coord, axis, group, grad, x.shape[dim])
+    def forward(ctx, x, dim, sizes, axis, grad):
+        ctx.args = (dim, sizes, axis, grad, x.shape[dim])
         # A copy, not a view: local ops such as view() expect the layout of a fresh shard.
-        return x.narrow(dim, _offset(sizes, coord), sizes[coord]).contiguous()
+        return x.narrow(dim, _offset(sizes, axis.coord), sizes[axis.coord]).contiguous()
 
     @staticmethod
     def backward(ctx, g):
-        dim, sizes, coord, axis, group, grad, full = ctx.args
+        dim, sizes, axis, grad, full = ctx.args
         if grad == GradKind.R:
-            gx = raw_all_gather(g.contiguous(), dim, sizes, axis, group)
+            gx = raw_all_gather(g.contiguous(), dim, sizes, axis)
         else:  # a zero-padded contribution: the sum over the axis is the full gradient
             gx = g.new_zeros(g.shape[:dim] + (full,) + g.shape[dim + 1:])
-            gx.narrow(dim, _offset(sizes, coord), sizes[coord]).copy_(g)
-        return gx, None, None, None, None, None, None
+            gx.narrow(dim, _offset(sizes, axis.coord), sizes[axis.coord]).copy_(g)
+        return gx, None, None, None, None
 
 
 class _ToPartial(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, op, coord, n, grad):
-        ctx.args = (op, coord, n, grad)
-        if op == "sum" and coord != 0:
+    def forward(ctx, x, op, axis, grad):
+        ctx.args = (op, axis, grad)
+        if op == "sum" and axis.coord != 0:
             return torch.zeros_like(x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         # Every rank holds the full gradient of the Partial value (g / n for an average).
-        op, coord, n, grad = ctx.args
+        op, axis, grad = ctx.args
         if op == "avg":
-            g = g * n
-        if grad == GradKind.P and coord != 0:
+            g = g * axis.size
+        if grad == GradKind.P and axis.coord != 0:
             g = torch.zeros_like(g)
-        return g, None, None, None, None
+        return g, None, None, None
 
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, n, axis, group):
-        ctx.args = (n, axis, group)
+    def forward(ctx, x, axis):
+        ctx.axis = axis
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        n, axis, group = ctx.args
-        return raw_all_reduce(g, "sum", n, axis, group), None, None, None
+        return raw_all_reduce(g, "sum", ctx.axis), None
 
 
 class _GradMask(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, coord):
-        ctx.coord = coord
+    def forward(ctx, x, axis):
+        ctx.coord = axis.coord
         return x.view_as(x)
 
     @staticmethod
@@ -291,48 +302,49 @@ class _GradMask(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- the public functions
-# Each moves a local shard over the mesh axis `axis` (its process group `group`, its size
-# `len(sizes)` or `n`, this rank's position `coord`). They appear by name in gm.code.
+# Each moves a local shard over one mesh axis (`axis`: its name, size, process group and this
+# rank's position); chunk `sizes` have one entry per rank of it. They appear by name in gm.code.
 
 
-def all_gather(x, *, dim: int, sizes: tuple[int, ...], coord: int, axis: str, group: str, grad: GradKind):
+def all_gather(x, *, dim: int, sizes: tuple[int, ...], axis: MeshAxis, grad: GradKind):
     """Shard(dim) -> Replicate: concatenate the chunks of every rank."""
-    return _AllGather.apply(x, dim, sizes, coord, axis, group, grad)
+    return _AllGather.apply(x, dim, sizes, axis, grad)
 
 
-def reduce_scatter(x, *, dim: int, sizes: tuple[int, ...], coord: int, op: str, axis: str, group: str):
+def reduce_scatter(x, *, dim: int, sizes: tuple[int, ...], op: str, axis: MeshAxis):
     """Partial(op) -> Shard(dim): reduce over ranks, keep this rank's chunk."""
-    return _ReduceScatter.apply(x, dim, sizes, coord, op, axis, group)
+    return _ReduceScatter.apply(x, dim, sizes, op, axis)
 
 
-def all_reduce(x, *, op: str, n: int, axis: str, group: str, grad: GradKind):
+def all_reduce(x, *, op: str, axis: MeshAxis, grad: GradKind):
     """Partial(op) -> Replicate."""
-    return _AllReduce.apply(x, op, n, axis, group, grad)
+    return _AllReduce.apply(x, op, axis, grad)
 
 
 def all_to_all(x, *, src_dim: int, dst_dim: int, src_sizes: tuple[int, ...],
-               dst_sizes: tuple[int, ...], coord: int, axis: str, group: str):
+               dst_sizes: tuple[int, ...], axis: MeshAxis):
     """Shard(src_dim) -> Shard(dst_dim) on the same axis."""
-    return _AllToAll.apply(x, src_dim, dst_dim, src_sizes, dst_sizes, coord, axis, group)
+    return _AllToAll.apply(x, src_dim, dst_dim, src_sizes, dst_sizes, axis)
 
 
-def shard_slice(x, *, dim: int, sizes: tuple[int, ...], coord: int, axis: str, group: str, grad: GradKind):
+def shard_slice(x, *, dim: int, sizes: tuple[int, ...], axis: MeshAxis, grad: GradKind):
     """Replicate -> Shard(dim): keep this rank's chunk (no communication forward)."""
-    return _ShardSlice.apply(x, dim, sizes, coord, axis, group, grad)
+    return _ShardSlice.apply(x, dim, sizes, axis, grad)
 
 
-def to_partial(x, *, op: str, coord: int, n: int, grad: GradKind):
+def to_partial(x, *, op: str, axis: MeshAxis, grad: GradKind):
     """Replicate -> Partial(op): a sum keeps the value on the first rank only, avg on all."""
     if op not in ("sum", "avg"):
-        raise ValueError(f"cannot turn a replicated value into Partial({op}); only sum and avg")
-    return _ToPartial.apply(x, op, coord, n, grad)
+        raise ValueError(f"cannot turn a replicated value into Partial({op}) on mesh axis {axis.name!r}; "
+                         "only sum and avg")
+    return _ToPartial.apply(x, op, axis, grad)
 
 
-def grad_all_reduce(x, *, n: int, axis: str, group: str):
+def grad_all_reduce(x, *, axis: MeshAxis):
     """Identity forward; all-reduce of the gradient backward (a contribution made full)."""
-    return _GradAllReduce.apply(x, n, axis, group)
+    return _GradAllReduce.apply(x, axis)
 
 
-def grad_mask(x, *, coord: int):
+def grad_mask(x, *, axis: MeshAxis):
     """Identity forward; backward keeps the full gradient on the first rank only."""
-    return _GradMask.apply(x, coord)
+    return _GradMask.apply(x, axis)

@@ -10,7 +10,7 @@ logits. The backward is local: softmax minus the (smoothed) one-hot, on this ran
 
 Rows may also be sharded over other axes (`count_over`): the loss is then this rank's part of
 the sum, and a mean divides by the global count of non-ignored targets (all-reduced), as the
-single-device mean does. With `n=1` the classes are whole and only the rows are sharded.
+single-device mean does. With `axis=None` the classes are whole and only the rows are sharded.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import acc_dtype
+from ..mesh import MeshAxis
 from .collectives import raw_all_gather, raw_all_reduce
-from .softmax import check_group
 
 REDUCTIONS = ("none", "mean", "sum")  # aten's enum order: 0, 1, 2
 
@@ -28,13 +28,9 @@ def _class_dim(x: torch.Tensor) -> int:
     return 1 if x.ndim > 1 else 0
 
 
-def _all_reduce(t, op, n, axis, group):
-    return t if n == 1 else raw_all_reduce(t, op, n, axis, group)
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, target, reduction, ignore_index, smoothing, classes, offset, n, axis, group, count_over):
+    def forward(ctx, x, target, reduction, ignore_index, smoothing, classes, offset, axis, count_over):
         cd = _class_dim(x)
         local = x.shape[cd]
         xa = x.to(acc_dtype(x.dtype))
@@ -55,8 +51,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             stats.append(xa.sum(cd))
         k = len(stats)
         stats = torch.stack(stats)
-        if n > 1:  # every rank's statistics, merged like flash attention's log-sum-exp
-            stats = raw_all_gather(stats, 0, (k,) * n, axis, group).unflatten(0, (n, k))
+        if axis is not None and axis.size > 1:  # every rank's statistics, merged like flash attention's lse
+            stats = raw_all_gather(stats, 0, (k,) * axis.size, axis).unflatten(0, (axis.size, k))
         else:
             stats = stats.unsqueeze(0)
         top = stats[:, 0].amax(0)
@@ -70,8 +66,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         count = None
         if reduction == "mean":
             count = valid.sum().to(xa.dtype)
-            for size, name, g in count_over:
-                count = _all_reduce(count, "sum", size, name, g)
+            for rows in count_over:
+                count = count if rows.size == 1 else raw_all_reduce(count, "sum", rows)
             loss = loss.sum() / count
         elif reduction == "sum":
             loss = loss.sum()
@@ -99,34 +95,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if local:
             hit = torch.where(owned, -(1 - smoothing) * per_row, 0.0)
             dx = dx.scatter_add(cd, shifted.clamp(0, local - 1).unsqueeze(cd), hit.unsqueeze(cd))
-        return dx.to(x.dtype), None, None, None, None, None, None, None, None, None, None
+        return dx.to(x.dtype), None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(x, target, reduction: str = "mean", ignore_index: int = -100,
-                                 label_smoothing: float = 0.0, *, classes: int, offset: int, n: int,
-                                 axis: str | None, group: str | None, count_over: tuple = ()):
+                                 label_smoothing: float = 0.0, *, classes: int, offset: int,
+                                 axis: MeshAxis | None, count_over: tuple[MeshAxis, ...] = ()):
     """F.cross_entropy of logits `x` whose class dim (1, or 0 for one row) holds this rank's chunk.
 
     `classes`: the global number of classes; `offset`: the first class of this rank's chunk;
-    `n`, `axis`, `group`: the mesh axis the classes are sharded over (n=1: not sharded);
-    `count_over`: (n, axis, group) of each axis sharding the rows, for a global mean.
+    `axis`: the mesh axis the classes are sharded over (None: not sharded);
+    `count_over`: each axis sharding the rows, for a global mean.
     """
-    kernel = "vocab_parallel_cross_entropy"
+    kernel, where = "vocab_parallel_cross_entropy", axis.name if axis is not None else None
     if reduction not in REDUCTIONS:
-        raise ValueError(f"{kernel}: reduction={reduction!r} on axis {axis!r}; pass one of {REDUCTIONS}")
+        raise ValueError(f"{kernel}: reduction={reduction!r} on axis {where!r}; pass one of {REDUCTIONS}")
     if not x.is_floating_point() or target.is_floating_point() or target.is_complex():
         raise ValueError(f"{kernel}: logits of dtype {x.dtype} and class-index target of dtype {target.dtype} "
-                         f"on axis {axis!r}; pass float logits and integer class indices (probability "
+                         f"on axis {where!r}; pass float logits and integer class indices (probability "
                          "targets need the whole classes: replicate the logits)")
     cd = _class_dim(x)
     rows = tuple(x.shape[:cd]) + tuple(x.shape[cd + 1:])
     if rows != tuple(target.shape) or not 0 <= offset <= offset + x.shape[cd] <= classes:
         raise ValueError(f"{kernel}: logits chunk of shape {tuple(x.shape)} at class offset {offset} does not "
-                         f"match target {tuple(target.shape)} and {classes} classes on axis {axis!r}; pass this "
+                         f"match target {tuple(target.shape)} and {classes} classes on axis {where!r}; pass this "
                          "rank's chunk of the class dim and the target of the same rows")
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{kernel}: label_smoothing={label_smoothing} on axis {axis!r}; pass a value in [0, 1]")
-    if n > 1:
-        check_group(kernel, n, axis, group)
+        raise ValueError(f"{kernel}: label_smoothing={label_smoothing} on axis {where!r}; pass a value in [0, 1]")
     return _VocabParallelCrossEntropy.apply(x, target, reduction, ignore_index, float(label_smoothing),
-                                            classes, offset, n, axis, group, tuple(count_over))
+                                            classes, offset, axis, tuple(count_over))

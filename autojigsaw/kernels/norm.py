@@ -15,11 +15,11 @@ import math
 import torch
 
 from ..dtypes import acc_dtype
+from ..mesh import MeshAxis
 from .collectives import raw_all_reduce
-from .softmax import check_group
 
 
-def _layout(kernel, x, normalized_shape, params, axis) -> tuple[tuple[int, ...], int]:
+def _layout(kernel, x, normalized_shape, params, axis: MeshAxis) -> tuple[tuple[int, ...], int]:
     """The normalized dims of x and the global element count of one row, after checks."""
     shape = tuple(normalized_shape)
     k = len(shape)
@@ -27,20 +27,20 @@ def _layout(kernel, x, normalized_shape, params, axis) -> tuple[tuple[int, ...],
     if k == 0 or x.ndim < k or local[:-1] != shape[:-1] or local[-1] > shape[-1]:
         raise ValueError(
             f"{kernel}: x of shape {tuple(x.shape)} does not end in a chunk of the global "
-            f"normalized_shape {shape} (last dim sharded over axis {axis!r}); pass the global "
+            f"normalized_shape {shape} (last dim sharded over axis {axis.name!r}); pass the global "
             f"normalized_shape and this rank's chunk of x"
         )
     for name, p in params.items():
         if p is not None and tuple(p.shape) != local:
             raise ValueError(
                 f"{kernel}: {name} has shape {tuple(p.shape)} but x's normalized chunk is {local} "
-                f"on axis {axis!r}; pass this rank's chunk of {name}"
+                f"on axis {axis.name!r}; pass this rank's chunk of {name}"
             )
     return tuple(range(x.ndim - k, x.ndim)), math.prod(shape)
 
 
-def _row_sum(t, dims, n, axis, group):
-    return raw_all_reduce(t.sum(dims, keepdim=True), "sum", n, axis, group)
+def _row_sum(t, dims, axis: MeshAxis):
+    return raw_all_reduce(t.sum(dims, keepdim=True), "sum", axis)
 
 
 def _sum_batch(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -50,24 +50,24 @@ def _sum_batch(t: torch.Tensor, k: int) -> torch.Tensor:
 
 class _ShardedLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, dims, count, eps, n, axis, group):
+    def forward(ctx, x, weight, bias, dims, count, eps, axis):
         xa = x.to(acc_dtype(x.dtype))
-        mean = _row_sum(xa, dims, n, axis, group) / count
+        mean = _row_sum(xa, dims, axis) / count
         centered = xa - mean
-        rstd = torch.rsqrt(_row_sum(centered * centered, dims, n, axis, group) / count + eps)
+        rstd = torch.rsqrt(_row_sum(centered * centered, dims, axis) / count + eps)
         y = centered * rstd
         if weight is not None:
             y = y * weight
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.args = (dims, count, n, axis, group, None if bias is None else bias.dtype)
+        ctx.args = (dims, count, axis, None if bias is None else bias.dtype)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         x, weight, mean, rstd = ctx.saved_tensors
-        dims, count, n, axis, group, bias_dtype = ctx.args
+        dims, count, axis, bias_dtype = ctx.args
         ga = g.to(mean.dtype)
         xhat = (x.to(mean.dtype) - mean) * rstd
         gxhat = ga if weight is None else ga * weight
@@ -75,59 +75,55 @@ class _ShardedLayerNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = torch.stack([gxhat.sum(dims, keepdim=True),
                                 (gxhat * xhat).sum(dims, keepdim=True)])
-            sums = raw_all_reduce(sums, "sum", n, axis, group) / count
+            sums = raw_all_reduce(sums, "sum", axis) / count
             dx = (rstd * (gxhat - sums[0] - xhat * sums[1])).to(x.dtype)
         dw = db = None
         if weight is not None and ctx.needs_input_grad[1]:
             dw = _sum_batch(ga * xhat, len(dims)).to(weight.dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _sum_batch(ga, len(dims)).to(bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class _ShardedRmsNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, dims, count, eps, n, axis, group):
+    def forward(ctx, x, weight, dims, count, eps, axis):
         xa = x.to(acc_dtype(x.dtype))
         if eps is None:  # torch's default: the machine epsilon of the computation dtype
             eps = torch.finfo(xa.dtype).eps
-        rstd = torch.rsqrt(_row_sum(xa * xa, dims, n, axis, group) / count + eps)
+        rstd = torch.rsqrt(_row_sum(xa * xa, dims, axis) / count + eps)
         y = xa * rstd
         if weight is not None:
             y = y * weight
         ctx.save_for_backward(x, weight, rstd)
-        ctx.args = (dims, count, n, axis, group)
+        ctx.args = (dims, count, axis)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
-        dims, count, n, axis, group = ctx.args
+        dims, count, axis = ctx.args
         ga = g.to(rstd.dtype)
         xhat = x.to(rstd.dtype) * rstd
         gxhat = ga if weight is None else ga * weight
         dx = None
         if ctx.needs_input_grad[0]:
-            dot = _row_sum(gxhat * xhat, dims, n, axis, group) / count
+            dot = _row_sum(gxhat * xhat, dims, axis) / count
             dx = ((gxhat - xhat * dot) * rstd).to(x.dtype)
         dw = None
         if weight is not None and ctx.needs_input_grad[1]:
             dw = _sum_batch(ga * xhat, len(dims)).to(weight.dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None
 
 
-def sharded_layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *,
-                       n: int, axis: str, group: str):
-    """F.layer_norm with the last of the (global) normalized dims sharded over the axis."""
+def sharded_layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5, *, axis: MeshAxis):
+    """F.layer_norm with the last of the (global) normalized dims sharded over `axis`."""
     dims, count = _layout("sharded_layer_norm", x, normalized_shape,
                           {"weight": weight, "bias": bias}, axis)
-    check_group("sharded_layer_norm", n, axis, group)
-    return _ShardedLayerNorm.apply(x, weight, bias, dims, count, eps, n, axis, group)
+    return _ShardedLayerNorm.apply(x, weight, bias, dims, count, eps, axis)
 
 
-def sharded_rms_norm(x, normalized_shape, weight=None, eps: float | None = None, *,
-                     n: int, axis: str, group: str):
-    """F.rms_norm with the last of the (global) normalized dims sharded over the axis."""
+def sharded_rms_norm(x, normalized_shape, weight=None, eps: float | None = None, *, axis: MeshAxis):
+    """F.rms_norm with the last of the (global) normalized dims sharded over `axis`."""
     dims, count = _layout("sharded_rms_norm", x, normalized_shape, {"weight": weight}, axis)
-    check_group("sharded_rms_norm", n, axis, group)
-    return _ShardedRmsNorm.apply(x, weight, dims, count, eps, n, axis, group)
+    return _ShardedRmsNorm.apply(x, weight, dims, count, eps, axis)

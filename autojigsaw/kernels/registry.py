@@ -1,33 +1,84 @@
-"""What the other stages know of a kernel: the call it builds (by name), its traffic (by function), its cost (by name or op)."""
+"""What the other stages know of a kernel: one Kernel record per name (its call, traffic and cost), one registry.
+
+The rewrite marks each node running a kernel with the kernel's name (ir.KERNEL), so the
+traffic of a rewritten node and the cost of a strategy are both found by that name. The one
+other lookup is `local_cost`: the cost of a node that runs its own ATen op ("local"), for ops
+whose default estimate misses something (causal attention skips half of its blocks).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from torch.fx import Node
+
+from ..ir import KERNEL
 from ..placements import local_offset
 from . import random
 
-_BUILDERS: dict[str, Callable] = {}
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel a strategy (or the fuse pass) names: how to call it, what it sends, what it costs.
+
+    build: `(node, strategy, rank, local_inputs) -> (callable, args, kwargs)`, the call that
+      replaces a captured node; None for kernels only the fuse pass inserts.
+    traffic: `(node, rank, backward) -> [(collective, bytes)]` of a rewritten node, `backward` the
+      inputs whose gradient is needed (empty: no backward pass); None: it sends nothing itself.
+    cost: `(node, strategy, ctx, grad) -> (seconds, saved bytes)` replacing the default estimate
+      (cost_model/estimate.node_costs), for kernels that communicate or skip work inside; saved
+      bytes are what the node keeps for backward besides its outputs (NaN: the default).
+    """
+
+    name: str
+    build: Callable | None
+    traffic: Callable | None = None
+    cost: Callable | None = None
 
 
-def register(name: str):
-    """Decorator: `fn(node, spec, rank, local_inputs) -> (callable, args, kwargs)` for kernel `name`."""
-
-    def wrap(fn):
-        _BUILDERS[name] = fn
-        return fn
-
-    return wrap
+_KERNELS: dict[str, Kernel] = {}
+_LOCAL_COSTS: dict[object, Callable] = {}  # ATen op -> cost of a "local" strategy running it
 
 
-def kernel_call(name: str, node, spec, rank, local_inputs):
-    if name not in _BUILDERS:
+def add(kernel: Kernel) -> Kernel:
+    """Register `kernel` under its name (once)."""
+    if kernel.name in _KERNELS or kernel.name == "local":
+        raise ValueError(f"kernel {kernel.name!r} is registered twice; give the new one another name")
+    _KERNELS[kernel.name] = kernel
+    return kernel
+
+
+def local_cost(op, fn: Callable) -> None:
+    """Price the "local" strategies of `op` (the op itself on local shards) with `fn`, as Kernel.cost."""
+    _LOCAL_COSTS[op] = fn
+
+
+def kernel_call(name: str, node: Node, spec, rank, local_inputs):
+    """(callable, args, kwargs) of kernel `name` for `node` under strategy `spec`."""
+    kernel = _KERNELS.get(name)
+    if kernel is None or kernel.build is None:
         raise ValueError(f"node {node.name!r}: the plan names kernel {name!r}, which does not exist; "
-                         f"known kernels: {sorted(_BUILDERS)}")
-    return _BUILDERS[name](node, spec, rank, local_inputs)
+                         f"known kernels: {sorted(k.name for k in _KERNELS.values() if k.build)}")
+    return kernel.build(node, spec, rank, local_inputs)
 
 
-@register("dropout")
+def kernel_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str, int]]:
+    """Bytes a rewritten kernel node sends inside (none for local ops and kernels that do not communicate)."""
+    kernel = _KERNELS.get(node.meta.get(KERNEL))
+    return kernel.traffic(node, rank, backward) if kernel is not None and kernel.traffic else []
+
+
+def kernel_cost(node: Node, strategy, ctx, grad: bool) -> tuple[float, float] | None:
+    """(seconds, bytes) by the cost of the strategy's kernel (of the op, for "local"); None: default."""
+    if strategy.kernel == "local":
+        fn = _LOCAL_COSTS.get(node.target)
+    else:
+        kernel = _KERNELS.get(strategy.kernel)
+        fn = kernel.cost if kernel is not None else None
+    return fn(node, strategy, ctx, grad) if fn else None
+
+
 def _dropout(node, spec, rank, local_inputs):
     x = node.args[0].meta["val"]
     offset = local_offset(x.shape, spec.inputs[0], rank.mesh.sizes, rank.coord)
@@ -35,47 +86,4 @@ def _dropout(node, spec, rank, local_inputs):
     return random.dropout, (local_inputs[0], p, train), {"shape": tuple(x.shape), "offset": offset}
 
 
-_TRAFFIC: dict[Callable, Callable] = {}
-
-
-def traffic(fn: Callable):
-    """Decorator: `count(node, rank, backward) -> [(collective, bytes)]` for kernel function `fn`.
-
-    `backward`: the node's inputs whose gradient is needed (empty: no backward pass).
-    """
-
-    def wrap(count):
-        _TRAFFIC[fn] = count
-        return count
-
-    return wrap
-
-
-def kernel_traffic(node, rank, backward: frozenset) -> list[tuple[str, int]]:
-    """Bytes a kernel call sends inside (none for kernels that do not communicate)."""
-    count = _TRAFFIC.get(node.target)
-    return count(node, rank, backward) if count else []
-
-
-_COSTS: dict[object, Callable] = {}
-
-
-def cost(key):
-    """Decorator: `fn(node, strategy, ctx, grad) -> (seconds, saved bytes)` for a kernel name or an op.
-
-    It replaces the default estimate (cost_model/estimate.node_costs) for strategies running
-    that kernel (or, for "local" ones, that op): kernels that communicate or skip work inside
-    need it. Saved bytes: what the node keeps for backward besides its outputs (NaN: the default).
-    """
-
-    def wrap(fn):
-        _COSTS[key] = fn
-        return fn
-
-    return wrap
-
-
-def kernel_cost(node, strategy, ctx, grad: bool) -> tuple[float, float] | None:
-    """(seconds, bytes) by the cost function of the strategy's kernel, else of its op; None: default."""
-    fn = _COSTS.get(strategy.kernel) or _COSTS.get(node.target)
-    return fn(node, strategy, ctx, grad) if fn else None
+add(Kernel("dropout", _dropout))

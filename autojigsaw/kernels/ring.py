@@ -4,15 +4,16 @@ A layout says which global positions each rank holds, as runs `(global start, le
 local order: one run per rank for a contiguous chunk, two for zigzag (rank i holds pieces i
 and 2n-1-i of `torch.chunk(S, 2n)`, which balances causal attention). Every decision here is
 made on Python ints, so torch.compile sees no data-dependent branch; all traffic goes through
-functional collectives and is counted by `count_comm`.
+functional collectives, is counted by `count_comm` and fails as a CollectiveError.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..mesh import MeshAxis
 from ..placements import chunk_sizes
-from .collectives import c10d, record
+from .collectives import c10d, named_failure, record, waited
 
 Run = tuple[int, int]  # (global start, length)
 Layout = tuple[tuple[Run, ...], ...]  # the runs of every rank on the axis
@@ -62,17 +63,18 @@ def make_layout(seq_sizes: tuple[int, ...], layout: str) -> Layout:
 # ---------------------------------------------------------------- the ring shift
 
 
-def ring_shift(buf: torch.Tensor, *, n: int, coord: int, axis: str, group: str) -> torch.Tensor:
+def ring_shift(buf: torch.Tensor, *, axis: MeshAxis) -> torch.Tensor:
     """Start sending flat `buf` to the next rank; returns the pending block of the previous one.
 
-    The result must go through `c10d.wait_tensor` before use; compute placed between the two
-    overlaps with the transfer.
+    The result must go through `collectives.wait("send_recv", axis, ...)` before use; compute
+    placed between the two overlaps with the transfer.
     """
+    n, coord = axis.size, axis.coord
     assert buf.ndim == 1 and n > 1
     send, recv = [0] * n, [0] * n
     send[(coord + 1) % n] = recv[(coord - 1) % n] = buf.numel()
-    record("send_recv", axis, buf, n)
-    return c10d.all_to_all_single(buf.contiguous(), recv, send, group)
+    record("send_recv", axis, buf)
+    return named_failure("send_recv", axis, lambda: c10d.all_to_all_single(buf.contiguous(), recv, send, axis.group))
 
 
 # ---------------------------------------------------------------- relayout (an all-to-all)
@@ -93,19 +95,17 @@ def _common(have: tuple[Run, ...], want: tuple[Run, ...]) -> list[tuple[int, int
     return sorted(common, key=lambda c: c[1])
 
 
-def _relayout(x, dim, src: Layout, dst: Layout, coord, axis, group):
+def _relayout(x, dim, src: Layout, dst: Layout, axis: MeshAxis):
     """This rank's piece of a sequence along `dim`, moved from layout `src` to layout `dst`."""
-    n = len(src)
+    n, coord = len(src), axis.coord
     rows = x.movedim(dim, 0)
     send = [_common(src[coord], dst[j]) for j in range(n)]
     recv = [_common(src[j], dst[coord]) for j in range(n)]
     parts = [rows.narrow(0, h, length) for seg in send for h, _, length in seg]
     buf = torch.cat(parts or [rows.narrow(0, 0, 0)]).contiguous()
-    record("all_to_all", axis, buf, n)
-    out = c10d.wait_tensor(c10d.all_to_all_single(
-        buf, [sum(c[2] for c in seg) for seg in recv], [sum(c[2] for c in seg) for seg in send],
-        group,
-    ))
+    record("all_to_all", axis, buf)
+    splits = [sum(c[2] for c in seg) for seg in recv], [sum(c[2] for c in seg) for seg in send]
+    out = waited("all_to_all", axis, lambda: c10d.all_to_all_single(buf, *splits, axis.group))
     pieces, at = [], 0  # (offset in dst, received rows); received in sender order
     for seg in recv:
         for _, want, length in seg:
@@ -117,15 +117,15 @@ def _relayout(x, dim, src: Layout, dst: Layout, coord, axis, group):
 
 class _Relayout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, src, dst, coord, axis, group):
-        ctx.args = (dim, src, dst, coord, axis, group)
-        return _relayout(x, dim, src, dst, coord, axis, group)
+    def forward(ctx, x, dim, src, dst, axis):
+        ctx.args = (dim, src, dst, axis)
+        return _relayout(x, dim, src, dst, axis)
 
     @staticmethod
     def backward(ctx, g):
-        dim, src, dst, coord, axis, group = ctx.args
+        dim, src, dst, axis = ctx.args
         # A relayout permutes the global sequence: its adjoint is the inverse relayout.
-        return _relayout(g, dim, dst, src, coord, axis, group), None, None, None, None, None, None
+        return _relayout(g, dim, dst, src, axis), None, None, None, None
 
 
 def _check_local(x, dim, layout: Layout, coord, what):
@@ -137,17 +137,17 @@ def _check_local(x, dim, layout: Layout, coord, what):
         )
 
 
-def to_zigzag(x, *, dim: int, seq_len: int, coord: int, n: int, axis: str, group: str):
+def to_zigzag(x, *, dim: int, seq_len: int, axis: MeshAxis):
     """Contiguous Shard(dim) local chunk -> this rank's zigzag chunk (exact adjoint)."""
-    src, dst = contiguous_layout(chunk_sizes(seq_len, n)), zigzag_layout(seq_len, n)
+    src, dst = contiguous_layout(chunk_sizes(seq_len, axis.size)), zigzag_layout(seq_len, axis.size)
     dim = dim % x.ndim
-    _check_local(x, dim, src, coord, "to_zigzag")
-    return _Relayout.apply(x, dim, src, dst, coord, axis, group) if n > 1 else x
+    _check_local(x, dim, src, axis.coord, "to_zigzag")
+    return _Relayout.apply(x, dim, src, dst, axis) if axis.size > 1 else x
 
 
-def from_zigzag(x, *, dim: int, seq_len: int, coord: int, n: int, axis: str, group: str):
+def from_zigzag(x, *, dim: int, seq_len: int, axis: MeshAxis):
     """This rank's zigzag chunk -> the contiguous Shard(dim) local chunk (exact adjoint)."""
-    src, dst = zigzag_layout(seq_len, n), contiguous_layout(chunk_sizes(seq_len, n))
+    src, dst = zigzag_layout(seq_len, axis.size), contiguous_layout(chunk_sizes(seq_len, axis.size))
     dim = dim % x.ndim
-    _check_local(x, dim, src, coord, "from_zigzag")
-    return _Relayout.apply(x, dim, src, dst, coord, axis, group) if n > 1 else x
+    _check_local(x, dim, src, axis.coord, "from_zigzag")
+    return _Relayout.apply(x, dim, src, dst, axis) if axis.size > 1 else x

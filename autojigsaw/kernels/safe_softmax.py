@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from ..mesh import MeshAxis
 from .softmax import sharded_softmax
 
 
-def sharded_safe_softmax(x, dim: int, *, half_to_float: bool = False, n: int, axis: str, group: str):
-    """aten._safe_softmax over `dim`, whose chunks are spread over the axis: this rank's chunk."""
+def sharded_safe_softmax(x, dim: int, *, half_to_float: bool = False, axis: MeshAxis):
+    """aten._safe_softmax over `dim`, whose chunks are spread over `axis`: this rank's chunk."""
     hidden = x == float("-inf")
     lowest = torch.finfo(x.dtype).min
-    y = sharded_softmax(x.masked_fill(hidden, lowest), dim, half_to_float=half_to_float, n=n,
-                        axis=axis, group=group)
+    y = sharded_softmax(x.masked_fill(hidden, lowest), dim, half_to_float=half_to_float, axis=axis)
     return y.masked_fill(hidden, 0.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..mesh import MeshAxis
 from ..placements import chunk_sizes
 from .attention import ring_attention
 from .ring import from_zigzag, to_zigzag, zigzag_layout, zigzag_sizes
@@ -25,23 +26,23 @@ def _rows(mask: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 
 def ring(q, k, v, attn_mask=None, *, is_causal: bool, scale: float | None, enable_gqa: bool,
-         layout: str, seq_len: int, coord: int, n: int, axis: str, group: str) -> torch.Tensor:
+         layout: str, seq_len: int, axis: MeshAxis) -> torch.Tensor:
     """This rank's contiguous chunk of SDPA(Q, K, V), q, k, v holding its chunk of dim -2.
 
     attn_mask holds this rank's rows for layout "contiguous", every row for "zigzag" (one
     row broadcast over all of them either way), and every key in global order.
     """
-    kw = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, axis=axis, group=group)
+    kw = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, axis=axis)
     if layout == "contiguous":
-        return ring_attention(q, k, v, _rows(attn_mask, q.shape[-2]), seq_sizes=chunk_sizes(seq_len, n),
-                              coord=coord, **kw)
-    move = dict(dim=-2, seq_len=seq_len, coord=coord, n=n, axis=axis, group=group)
+        return ring_attention(q, k, v, _rows(attn_mask, q.shape[-2]), seq_sizes=chunk_sizes(seq_len, axis.size),
+                              **kw)
+    move = dict(dim=-2, seq_len=seq_len, axis=axis)
     q, k, v = (to_zigzag(t, **move) for t in (q, k, v))
     if attn_mask is not None and attn_mask.shape[-2] != 1:
-        runs = zigzag_layout(seq_len, n)[coord]
+        runs = zigzag_layout(seq_len, axis.size)[axis.coord]
         attn_mask = torch.cat([attn_mask.narrow(-2, start, length) for start, length in runs], -2)
-    out = ring_attention(q, k, v, _rows(attn_mask, q.shape[-2]), seq_sizes=zigzag_sizes(seq_len, n),
-                         layout="zigzag", coord=coord, **kw)
+    out = ring_attention(q, k, v, _rows(attn_mask, q.shape[-2]), seq_sizes=zigzag_sizes(seq_len, axis.size),
+                         layout="zigzag", **kw)
     return from_zigzag(out, **move)
 
 

@@ -11,17 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..dtypes import acc_dtype
+from ..mesh import MeshAxis
 from .collectives import raw_all_reduce
-
-
-def check_group(kernel: str, n: int, axis: str, group: str) -> None:
-    """A ValueError unless `n` is the size of the axis' process group (eager mode only)."""
-    if not torch.compiler.is_compiling():
-        size = torch.distributed.distributed_c10d._get_group_size_by_name(group)
-        if n != size:
-            raise ValueError(
-                f"{kernel}: n={n} but mesh axis {axis!r} has {size} ranks; pass n={size}"
-            )
 
 
 def _row_max(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -33,49 +24,48 @@ def _row_max(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 class _ShardedSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, half_to_float, log, n, axis, group):
+    def forward(ctx, x, dim, half_to_float, log, axis):
         acc = acc_dtype(x.dtype)
         xa = x.to(acc)
-        shifted = xa - raw_all_reduce(_row_max(xa, dim), "max", n, axis, group)
-        total = raw_all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", n, axis, group)
+        shifted = xa - raw_all_reduce(_row_max(xa, dim), "max", axis)
+        total = raw_all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", axis)
         y = shifted - total.log() if log else shifted.exp() / total
         to_float = half_to_float and x.dtype in (torch.half, torch.bfloat16)
         y = y.to(torch.float32 if to_float else x.dtype)
         ctx.save_for_backward(y)
-        ctx.args = (dim, log, n, axis, group, x.dtype)
+        ctx.args = (dim, log, axis, x.dtype)
         return y
 
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        dim, log, n, axis, group, in_dtype = ctx.args
+        dim, log, axis, in_dtype = ctx.args
         acc = acc_dtype(in_dtype)
         ga, ya = g.to(acc), y.to(acc)
         if log:  # d/dx log_softmax: g - softmax * sum(g)
-            gx = ga - ya.exp() * raw_all_reduce(ga.sum(dim, keepdim=True), "sum", n, axis, group)
+            gx = ga - ya.exp() * raw_all_reduce(ga.sum(dim, keepdim=True), "sum", axis)
         else:  # d/dx softmax: y * (g - sum(g * y))
-            dot = raw_all_reduce((ga * ya).sum(dim, keepdim=True), "sum", n, axis, group)
+            dot = raw_all_reduce((ga * ya).sum(dim, keepdim=True), "sum", axis)
             gx = ya * (ga - dot)
-        return gx.to(in_dtype), None, None, None, None, None, None
+        return gx.to(in_dtype), None, None, None, None
 
 
-def _apply(kernel, x, dim, half_to_float, log, n, axis, group):
+def _apply(kernel, x, dim, half_to_float, log, axis: MeshAxis):
     if not -x.ndim <= dim < x.ndim:
         raise ValueError(
             f"{kernel}: dim={dim} is out of range for x of shape {tuple(x.shape)} (sharded over "
-            f"axis {axis!r}); pass the dim whose chunks the ranks hold"
+            f"axis {axis.name!r}); pass the dim whose chunks the ranks hold"
         )
     if not x.is_floating_point():
-        raise ValueError(f"{kernel}: x has dtype {x.dtype} on axis {axis!r}; pass a float tensor")
-    check_group(kernel, n, axis, group)
-    return _ShardedSoftmax.apply(x, dim % x.ndim, half_to_float, log, n, axis, group)
+        raise ValueError(f"{kernel}: x has dtype {x.dtype} on axis {axis.name!r}; pass a float tensor")
+    return _ShardedSoftmax.apply(x, dim % x.ndim, half_to_float, log, axis)
 
 
-def sharded_softmax(x, dim: int, *, half_to_float: bool = False, n: int, axis: str, group: str):
-    """softmax over `dim`, whose chunks are spread over the axis: this rank's chunk of it."""
-    return _apply("sharded_softmax", x, dim, half_to_float, False, n, axis, group)
+def sharded_softmax(x, dim: int, *, half_to_float: bool = False, axis: MeshAxis):
+    """softmax over `dim`, whose chunks are spread over `axis`: this rank's chunk of it."""
+    return _apply("sharded_softmax", x, dim, half_to_float, False, axis)
 
 
-def sharded_log_softmax(x, dim: int, *, half_to_float: bool = False, n: int, axis: str, group: str):
-    """log_softmax over `dim`, whose chunks are spread over the axis: this rank's chunk of it."""
-    return _apply("sharded_log_softmax", x, dim, half_to_float, True, n, axis, group)
+def sharded_log_softmax(x, dim: int, *, half_to_float: bool = False, axis: MeshAxis):
+    """log_softmax over `dim`, whose chunks are spread over `axis`: this rank's chunk of it."""
+    return _apply("sharded_log_softmax", x, dim, half_to_float, True, axis)

@@ -127,7 +127,7 @@ class Explainer:
                     ("bytes moved", f"{f.bytes}"),
                     ("time", f"{_short(f.time)}{factor} = {format_seconds(value)}")]
         elif strategy.kernel != "local":
-            out.append(("time", f"kernel {strategy.kernel!r} prices itself (kernels.registry.cost): "
+            out.append(("time", f"kernel {strategy.kernel!r} prices itself (its registry.Kernel.cost): "
                                 f"{format_seconds(float(self.problem.time[n][choice[n]]))}"))
         for k, (src, o) in enumerate(tensor_inputs(node)):
             out += self._edge(self.index[src.name], o, n, k)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from torch.fx import GraphModule, Node
 
 from ..capture import Captured
-from ..ir import AXIS, GLOBAL, ORIGIN, PLACEMENTS, GradKind, bytes_sent
+from ..ir import AXIS, GLOBAL, KERNEL, ORIGIN, PLACEMENTS, GradKind, bytes_sent
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..kernels.bucketed import bucket_all_gather, bucket_grad_all_reduce
@@ -95,8 +95,8 @@ def _key(node: Node, scope: dict[str, str], params: set[str]) -> tuple | None:
             # an activation's gradient: waiting for a bucket would hold the backward up; an input's:
             # it may need no gradient at run time, and would be sent in the bucket all the same
             return None
-        return (C.grad_all_reduce, kw["axis"], kw["group"], kw["n"], dtype)
-    return (C.all_gather, kw["axis"], kw["group"], kw["coord"], kw["grad"], len(kw["sizes"]), dtype,
+        return (C.grad_all_reduce, kw["axis"], dtype)
+    return (C.all_gather, kw["axis"], kw["grad"], len(kw["sizes"]), dtype,
             scope.get(node.meta.get(ORIGIN)))
 
 
@@ -105,17 +105,18 @@ def _merge(gm: GraphModule, members: list[Node], before: Node) -> None:
     first, kw = members[0], members[0].kwargs
     srcs = tuple(m.all_input_nodes[0] for m in members)
     if first.target is C.grad_all_reduce:
-        fn, kwargs = bucket_grad_all_reduce, dict(n=kw["n"], axis=kw["axis"], group=kw["group"])
+        fn, kwargs = bucket_grad_all_reduce, dict(axis=kw["axis"])
     else:
         fn = bucket_all_gather
         kwargs = dict(dims=tuple(m.kwargs["dim"] for m in members), sizes=tuple(m.kwargs["sizes"] for m in members),
-                      coord=kw["coord"], axis=kw["axis"], group=kw["group"], grad=kw["grad"])
+                      axis=kw["axis"], grad=kw["grad"])
     with gm.graph.inserting_before(before):
         bucket = gm.graph.call_function(fn, srcs, kwargs)
     bucket.meta[PLACEMENTS] = tuple(m.meta[PLACEMENTS][0] for m in members)
     bucket.meta[GLOBAL] = tuple(m.meta[GLOBAL] for m in members)
     bucket.meta[ORIGIN] = first.meta[ORIGIN]
     bucket.meta[AXIS] = first.meta[AXIS]
+    bucket.meta[KERNEL] = fn.__name__
     for i, m in enumerate(members):
         with gm.graph.inserting_before(before):
             item = gm.graph.call_function(operator.getitem, (bucket, i))
@@ -128,18 +129,16 @@ def _merge(gm: GraphModule, members: list[Node], before: Node) -> None:
 # ---------------------------------------------------------------- traffic: one call for the bucket
 
 
-@registry.traffic(bucket_grad_all_reduce)
 def _grad_all_reduce_traffic(node, rank, backward):
     if not backward:
         return []
     numel = sum(math.prod(local_numel(src, rank)[0]) for src in node.args)
-    return [("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(node.args[0]), node.kwargs["n"]))]
+    return [("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(node.args[0]), node.kwargs["axis"].size))]
 
 
-@registry.traffic(bucket_all_gather)
 def _all_gather_traffic(node, rank, backward):
     kw = node.kwargs
-    n = len(kw["sizes"][0])
+    n = kw["axis"].size
     sent = sum(gather_bytes(*local_numel(src, rank), d, s) for src, d, s in zip(node.args, kw["dims"], kw["sizes"]))
     out = [("all_gather", sent)]
     if backward and kw["grad"] == GradKind.P:
@@ -148,3 +147,6 @@ def _all_gather_traffic(node, rank, backward):
         out.append(("reduce_scatter", bytes_sent("reduce_scatter", buffer, n)))
     return out
 
+
+registry.add(registry.Kernel(bucket_grad_all_reduce.__name__, None, _grad_all_reduce_traffic))
+registry.add(registry.Kernel(bucket_all_gather.__name__, None, _all_gather_traffic))

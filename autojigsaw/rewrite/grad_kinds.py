@@ -118,7 +118,7 @@ def _mask_full_items(graph: Graph, node: Node, kinds, rank) -> None:
             continue
         for item in [u for u in node.users if kinds.get((node, u.args[1], a)) == GradKind.R]:
             readers = list(item.users)
-            masked = _chain(graph, item, [(C.grad_mask, a, {"coord": rank.coord[a]})])
+            masked = _chain(graph, item, [(C.grad_mask, a, {"axis": rank.axis(a)})])
             for u in readers:
                 u.replace_input_with(item, masked)
             kinds[(node, item.args[1], a)] = GradKind.P
@@ -144,7 +144,7 @@ def _agree(graph: Graph, node: Node, decided: dict, rank) -> None:
     for u, axes in masks.items():
         key = tuple(axes)
         if key not in shared:
-            shared[key] = _chain(graph, node, [(C.grad_mask, a, {"coord": rank.coord[a]}) for a in axes])
+            shared[key] = _chain(graph, node, [(C.grad_mask, a, {"axis": rank.axis(a)}) for a in axes])
         u.replace_input_with(node, shared[key])
 
 
@@ -153,8 +153,7 @@ def _sum_gradient_at(graph: Graph, node: Node, axes: list[int], rank) -> None:
     if not axes:
         return
     users = list(node.users)
-    last = _chain(graph, node, [(C.grad_all_reduce, a, {"n": ax.size, "axis": ax.name, "group": ax.group})
-                                for a, ax in ((a, rank.axis(a)) for a in axes)])
+    last = _chain(graph, node, [(C.grad_all_reduce, a, {"axis": rank.axis(a)}) for a in axes])
     for u in users:
         u.replace_input_with(node, last)
 

@@ -9,20 +9,21 @@ FX: `gm.code` reads as the program each rank runs.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..capture import Captured
-from ..ir import (AXIS, GLOBAL, ORIGIN, PLACEMENTS, Collective, GradKind, output_values, redistribute_steps, step_sizes,
-                  tensor_inputs)
+from ..ir import (AXIS, GLOBAL, KERNEL, ORIGIN, PLACEMENTS, Collective, GradKind, output_values, redistribute_steps,
+                  step_sizes, tensor_inputs)
 from ..kernels import collectives, registry
 from ..mesh import RankView
 from ..placements import Placements
 from ..plan import Plan
 from ..strategies.dtensor_rules import local_call
-from ..training import data_axis
+from ..training import data_axes
 from .bucket import bucket_collectives
 from .fuse import fuse_collectives
 from .grad_kinds import set_grad_kinds
@@ -71,7 +72,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
     gm = GraphModule(captured.gm, graph)
     if training:
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params),
-                       fsdp_axis=data_axis(plan.mesh) if plan.data_parallel == "fsdp" else None)
+                       fsdp_axis=data_axes(plan.mesh)[0] if plan.data_parallel == "fsdp" else None)
     fuse_collectives(gm)
     bucket_collectives(gm, captured, rank)
     gm.recompile()
@@ -123,6 +124,8 @@ def _emit(graph: Graph, env, moved, node: Node, spec, rank: RankView) -> Node:
         op, args, kwargs = registry.kernel_call(spec.kernel, node, spec, rank, local_inputs)
     new = graph.call_function(op, args, kwargs)
     _annotate(new, node, spec.outputs, node.name)
+    if spec.kernel != "local":
+        new.meta[KERNEL] = spec.kernel
     return new
 
 
@@ -141,28 +144,16 @@ def _moved(env, moved, graph: Graph, src: Node, index: int, target: Placements,
     shape = output_values(src)[index].shape
     for step in redistribute_steps(current, target):
         a = step.axis
-        n = rank.mesh.sizes[a]
-        if n == 1:
+        if rank.mesh.sizes[a] == 1:
             continue
-        args = step_sizes(step, shape, rank.mesh.sizes, rank.coord)
-        fn = _COLLECTIVES[step.kind]
-        kwargs = {**args, **_axis_args(step.kind, rank, a, n)}
-        value = graph.call_function(fn, (value,), kwargs)
+        sizes = step_sizes(step, shape, rank.mesh.sizes, rank.coord)
+        kwargs = {**dataclasses.asdict(sizes), "axis": rank.axis(a)}
+        if step.kind not in (Collective.reduce_scatter, Collective.all_to_all):
+            kwargs["grad"] = GradKind.R  # settled by set_grad_kinds
+        value = graph.call_function(_COLLECTIVES[step.kind], (value,), kwargs)
         value.meta[PLACEMENTS] = (step.after,)
         value.meta[AXIS] = a
         value.meta[ORIGIN] = consumer
         value.meta[GLOBAL] = output_values(src)[index]
     moved[key] = value
     return value
-
-
-def _axis_args(kind: Collective, rank: RankView, a: int, n: int) -> dict:
-    """The axis arguments of a step's collective; its gradient kind is settled by set_grad_kinds."""
-    ax = rank.axis(a)
-    if kind == Collective.to_partial:
-        return {"coord": ax.coord, "n": n, "grad": GradKind.R}
-    if kind == Collective.all_reduce:
-        return {"n": n, "axis": ax.name, "group": ax.group, "grad": GradKind.R}
-    if kind in (Collective.reduce_scatter, Collective.all_to_all):
-        return {"coord": ax.coord, "axis": ax.name, "group": ax.group}
-    return {"coord": ax.coord, "axis": ax.name, "group": ax.group, "grad": GradKind.R}  # all_gather, shard_slice

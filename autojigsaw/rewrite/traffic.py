@@ -66,11 +66,11 @@ def collective_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str,
         if backward:
             out.append(("all_gather", out[0][1]))
     elif node.target in (C.all_reduce, C.grad_all_reduce):
-        numel = math.prod(shape)
+        numel, n = math.prod(shape), kw["axis"].size
         if node.target is C.all_reduce:
-            out.append(("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(src, kw["op"]), kw["n"])))
+            out.append(("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(src, kw["op"]), n)))
         if backward and (node.target is C.grad_all_reduce or kw["grad"] == GradKind.P):
-            out.append(("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(src), kw["n"])))
+            out.append(("all_reduce", bytes_sent("all_reduce", numel * summed_itemsize(src), n)))
     elif node.target is C.all_to_all:
         n = len(kw["src_sizes"])
         shape[kw["src_dim"]] = max(kw["src_sizes"])

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 
 from ..mesh import MeshSpec
-from ..training import Regime, data_axis
+from ..training import Regime, data_axes
 
 
 def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, mp_policy=None) -> None:
@@ -17,11 +17,11 @@ def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, m
     ones, sent once. The weights are gathered for the forward and again for the backward, as
     the plan prices them.
     """
-    axis = data_axis(MeshSpec.of(device_mesh))
-    if not regime.fsdp or axis is None or device_mesh.mesh.shape[axis] == 1:
+    axes = data_axes(MeshSpec.of(device_mesh))
+    if not regime.fsdp or not axes or device_mesh.mesh.shape[axes[0]] == 1:
         return
     kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    fully_shard(module, mesh=device_mesh, dp_mesh_dims=DataParallelMeshDims(shard=device_mesh.mesh_dim_names[axis]),
+    fully_shard(module, mesh=device_mesh, dp_mesh_dims=DataParallelMeshDims(shard=device_mesh.mesh_dim_names[axes[0]]),
                 reshard_after_forward=True, **kwargs)
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)

@@ -246,8 +246,7 @@ def _slice(x: torch.Tensor, placements, rank: RankView) -> torch.Tensor:
     for a, p in enumerate(placements):
         ax = rank.axis(a)
         if isinstance(p, Shard) and ax.size > 1:
-            x = shard_slice(x, dim=p.dim, sizes=chunk_sizes(x.shape[p.dim], ax.size), coord=ax.coord,
-                            axis=ax.name, group=ax.group, grad=GradKind.R)
+            x = shard_slice(x, dim=p.dim, sizes=chunk_sizes(x.shape[p.dim], ax.size), axis=ax, grad=GradKind.R)
     return x
 
 

@@ -17,13 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from ..capture import Captured
 from ..mesh import MeshSpec
 from ..placements import Placements
-from ..training import DATA_AXIS_NAMES
-
-
-
-def data_axes(mesh: MeshSpec) -> tuple[int, ...]:
-    """The positions of the mesh's data-parallel axes."""
-    return tuple(a for a, name in enumerate(mesh.axis_names) if name in DATA_AXIS_NAMES)
+from ..training import data_axes
 
 
 def data_pins(captured: Captured, mesh: MeshSpec, fixed: dict[str, Placements]) -> dict[str, Placements]:

@@ -134,19 +134,14 @@ def _seq_axis(node, spec) -> int:
 
 
 def _ring_call(node, spec, rank, local_inputs):
-    args, ax = sdpa_args(node), rank.axis(_seq_axis(node, spec))
+    args = sdpa_args(node)
     mask = local_inputs[3] if len(local_inputs) > 3 else None
     kwargs = dict(is_causal=args["is_causal"], scale=args["scale"], enable_gqa=args["enable_gqa"],
                   layout=RINGS[spec.kernel], seq_len=node.args[0].meta["val"].shape[-2],
-                  coord=ax.coord, n=ax.size, axis=ax.name, group=ax.group)
+                  axis=rank.axis(_seq_axis(node, spec)))
     return seq_attention.ring, (*local_inputs[:3], mask), kwargs
 
 
-for _name in RINGS:
-    registry.register(_name)(_ring_call)
-
-
-@registry.register("kv_gather_attention")
 def _gathered_call(node, spec, rank, local_inputs):
     q, args = node.args[0].meta["val"], sdpa_args(node)
     offset = local_offset(q.shape, spec.inputs[0], rank.mesh.sizes, rank.coord)[q.ndim - 2]
@@ -162,11 +157,10 @@ def _local(value, rank) -> tuple[list[int], torch.dtype]:
     return list(local_shape(val.shape, value.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)), val.dtype
 
 
-@registry.traffic(seq_attention.ring)
 def _ring_traffic(node, rank, backward) -> list[tuple[str, int]]:
     """K, V hops around the ring (n-1 forward; n-1 and n of dK, dV backward) and the zigzag moves."""
     kw = node.kwargs
-    n, zigzag = kw["n"], kw["layout"] == "zigzag"
+    n, zigzag = kw["axis"].size, kw["layout"] == "zigzag"
     q, k, v = node.args[:3]
     (k_shape, dtype), (v_shape, _) = _local(k, rank), _local(v, rank)
     rest = math.prod(k_shape) // k_shape[-2] + math.prod(v_shape) // v_shape[-2]
@@ -176,7 +170,7 @@ def _ring_traffic(node, rank, backward) -> list[tuple[str, int]]:
     grad_hop = ("send_recv", bytes_sent("send_recv", rest * max(sizes) * acc, n))
     out = [hop] * (n - 1) + ([hop] * (n - 1) + [grad_hop] * n if backward else [])
     if zigzag:
-        mine = kw["coord"]
+        mine = kw["axis"].coord
         contiguous, zig = chunk_sizes(kw["seq_len"], n)[mine], sizes[mine]
 
         def move(t, length):
@@ -193,7 +187,6 @@ def _ring_traffic(node, rank, backward) -> list[tuple[str, int]]:
 # ---------------------------------------------------------------- cost
 
 
-@registry.cost(SDPA)
 def attention_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     """Seconds of one strategy, for every kernel: causal skipping, the ring's hops, zigzag moves.
 
@@ -252,3 +245,9 @@ def _ring_time(node, strategy, ctx, shapes, block: float, moved: int, dtype, cau
         moves = sum(send("all_to_all", math.prod(s) * dtype.itemsize) for s in (q, k, v, out))
         t += moves * (2 if backward else 1)
     return t
+
+
+for _name in RINGS:
+    registry.add(registry.Kernel(_name, _ring_call, _ring_traffic, attention_cost))
+registry.add(registry.Kernel("kv_gather_attention", _gathered_call, cost=attention_cost))
+registry.local_cost(SDPA, attention_cost)

@@ -92,18 +92,15 @@ def _axes(node: Node, placements, sizes) -> tuple[int | None, list[int]]:
     return (classes[0] if classes else None), rows
 
 
-@registry.register(VOCAB)
-@registry.register(ROWS)
 def _call(node, spec, rank, local_inputs):
     x = node.args[0].meta["val"]
     cd = _class_dim(x)
     _, reduction, ignore_index, smoothing = loss_args(node)
-    sizes, names = rank.mesh.sizes, rank.mesh.axis_names
+    sizes = rank.mesh.sizes
     a, rows = _axes(node, spec.inputs[0], sizes)
-    count_over = tuple((sizes[b], names[b], rank.groups[b]) for b in rows) if reduction == "mean" else ()
+    count_over = tuple(rank.axis(b) for b in rows) if reduction == "mean" else ()
     kwargs = dict(classes=x.shape[cd], offset=local_offset(x.shape, spec.inputs[0], sizes, rank.coord)[cd],
-                  n=1 if a is None else sizes[a], axis=None if a is None else names[a],
-                  group=None if a is None else rank.groups[a], count_over=count_over)
+                  axis=None if a is None else rank.axis(a), count_over=count_over)
     return vocab_parallel_cross_entropy, (local_inputs[0], local_inputs[1], reduction, ignore_index, smoothing), kwargs
 
 
@@ -117,19 +114,17 @@ def _rows(shape, cd: int) -> int:
     return math.prod(shape[:cd]) * math.prod(shape[cd + 1:])
 
 
-@registry.traffic(vocab_parallel_cross_entropy)
 def _traffic(node, rank, backward) -> list[tuple[str, int]]:
     x = node.args[0]
     val = x.meta[GLOBAL]
     shape = local_shape(val.shape, x.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)
     kw, acc = node.kwargs, acc_dtype(val.dtype).itemsize
     stats = _stats_bytes(_rows(shape, _class_dim(val)), acc, node.args[4] > 0)
-    out = [("all_gather", bytes_sent("all_gather", stats, kw["n"]))] if kw["n"] > 1 else []
-    return out + [("all_reduce", bytes_sent("all_reduce", acc, size)) for size, _, _ in kw["count_over"]]
+    n = kw["axis"].size if kw["axis"] is not None else 1
+    out = [("all_gather", bytes_sent("all_gather", stats, n))] if n > 1 else []
+    return out + [("all_reduce", bytes_sent("all_reduce", acc, rows.size)) for rows in kw["count_over"]]
 
 
-@registry.cost(VOCAB)
-@registry.cost(ROWS)
 def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     """Exp and sums over the local logits (read twice), the all-reduces; saves x, lse and the target."""
     x, target = node.args[0].meta["val"], node.args[1].meta["val"]
@@ -151,3 +146,7 @@ def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
         t += float(roofline_time(5 * numel, 3 * numel * x.dtype.itemsize, acc_dtype(x.dtype), ctx.device))
     saved = numel * x.dtype.itemsize + rows * (acc + target.dtype.itemsize) if backward else 0.0
     return t, float(saved)
+
+
+registry.add(registry.Kernel(VOCAB, _call, _traffic, _cost))
+registry.add(registry.Kernel(ROWS, _call, _traffic, _cost))

@@ -71,7 +71,6 @@ def _expert_dims(strategy, mesh_sizes) -> tuple[int, ...]:
 
 
 # The kernel: the op itself on local shards; with the experts split, only the local experts' rows.
-@registry.register(KERNEL)
 def _call(node, spec, rank, local_inputs):
     if not _expert_dims(spec, rank.mesh.sizes):
         return node.target, tuple(local_inputs), {}
@@ -79,7 +78,6 @@ def _call(node, spec, rank, local_inputs):
     return expert_rows_mm, (node.target, *local_inputs), {"first": first}
 
 
-@registry.cost(KERNEL)
 def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     """A matmul of the rank's rows (S / n of them with the experts split n ways) on its shards."""
     x, w, out = node.args[0].meta["val"], node.args[1].meta["val"], node.meta["val"]
@@ -96,3 +94,6 @@ def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     if ctx.training and grad:
         t *= 1 + backward_factor(aten.mm.default)
     return t, math.nan
+
+
+registry.add(registry.Kernel(KERNEL, _call, cost=_cost))

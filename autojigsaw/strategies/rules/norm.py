@@ -66,15 +66,9 @@ def _call(kernel, eps_at: int):
         args = list(node.args) + [None] * 4
         params = [next(inputs) if isinstance(args[i], Node) else None for i in _PARAMS[node.target]]
         eps = () if args[eps_at] is None else (args[eps_at],)  # absent: the kernel's default
-        ax = rank.axis(_stat_axis(node, spec))
-        return (kernel, (local_inputs[0], list(node.args[1]), *params, *eps),
-                {"n": ax.size, "axis": ax.name, "group": ax.group})
+        return kernel, (local_inputs[0], list(node.args[1]), *params, *eps), {"axis": rank.axis(_stat_axis(node, spec))}
 
     return build
-
-
-registry.register("sharded_layer_norm")(_call(sharded_layer_norm, 4))
-registry.register("sharded_rms_norm")(_call(sharded_rms_norm, 3))
 
 
 def _stat_bytes(x_shape, normalized: int, dtype: torch.dtype) -> int:
@@ -89,7 +83,7 @@ def _traffic(kernel: str):
         x = node.args[0]
         val = x.meta[GLOBAL]
         shape = local_shape(val.shape, x.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)
-        nbytes, n = _stat_bytes(shape, len(node.args[1]), val.dtype), node.kwargs["n"]
+        nbytes, n = _stat_bytes(shape, len(node.args[1]), val.dtype), node.kwargs["axis"].size
         out = [("all_reduce", bytes_sent("all_reduce", nbytes, n))] * forward
         if x in backward:  # the backward reduces only for x's own gradient
             out.append(("all_reduce", bytes_sent("all_reduce", backward_stats * nbytes, n)))
@@ -98,12 +92,6 @@ def _traffic(kernel: str):
     return count
 
 
-registry.traffic(sharded_layer_norm)(_traffic("sharded_layer_norm"))
-registry.traffic(sharded_rms_norm)(_traffic("sharded_rms_norm"))
-
-
-@registry.cost("sharded_layer_norm")
-@registry.cost("sharded_rms_norm")
 def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     """The local norm as the default estimate prices it, plus the all-reduces of row statistics."""
     x = node.args[0].meta["val"]
@@ -121,3 +109,7 @@ def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     if ctx.training and grad:
         t += local * backward_factor(node.target) + reduce(backward_stats)
     return t, math.nan
+
+
+registry.add(registry.Kernel("sharded_layer_norm", _call(sharded_layer_norm, 4), _traffic("sharded_layer_norm"), _cost))
+registry.add(registry.Kernel("sharded_rms_norm", _call(sharded_rms_norm, 3), _traffic("sharded_rms_norm"), _cost))

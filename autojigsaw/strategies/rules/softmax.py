@@ -71,11 +71,9 @@ def _axis(node, spec, dim: int) -> int:
     return kernel_axis(node, spec.inputs[0], dim, spec.kernel)
 
 
-@registry.register("sharded_softmax")
 def _sharded_call(node, spec, rank, local_inputs):
     dim = node.args[1] % node.args[0].meta["val"].ndim
-    ax = rank.axis(_axis(node, spec, dim))
-    kwargs = dict(half_to_float=half_to_float(node), n=ax.size, axis=ax.name, group=ax.group)
+    kwargs = dict(half_to_float=half_to_float(node), axis=rank.axis(_axis(node, spec, dim)))
     return _KERNELS[node.target], (local_inputs[0], dim), kwargs
 
 
@@ -85,19 +83,15 @@ def _stats_bytes(shape, dim: int, dtype: torch.dtype) -> int:
     return math.prod(shape[:dim]) * math.prod(shape[dim + 1:]) * acc
 
 
-@registry.traffic(sharded_softmax)
-@registry.traffic(sharded_log_softmax)
-@registry.traffic(sharded_safe_softmax)
 def _traffic(node, rank, backward) -> list[tuple[str, int]]:
     """Two all-reduces of the row statistics forward (max, sum), one backward."""
     x = node.args[0]
     val = x.meta[GLOBAL]
     shape = local_shape(val.shape, x.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)
-    nbytes = bytes_sent("all_reduce", _stats_bytes(shape, node.args[1], val.dtype), node.kwargs["n"])
+    nbytes = bytes_sent("all_reduce", _stats_bytes(shape, node.args[1], val.dtype), node.kwargs["axis"].size)
     return [("all_reduce", nbytes)] * (3 if backward else 2)
 
 
-@registry.cost("sharded_softmax")
 def softmax_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     """The local softmax as the default estimate prices it, plus the all-reduces of row statistics."""
     x, y = node.args[0].meta["val"], node.meta["val"]
@@ -111,3 +105,6 @@ def softmax_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     if ctx.training and grad:
         return t * (1 + backward_factor(node.target)) + 3 * reduce, math.nan
     return t + 2 * reduce, math.nan
+
+
+registry.add(registry.Kernel("sharded_softmax", _sharded_call, _traffic, softmax_cost))
