@@ -23,13 +23,14 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+from scipy.sparse import coo_matrix, vstack
 
 from ..cost_model.liveness import MaxItem, PairItem
 from .problem import Problem
 
 _SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
+_FIRST_WINDOW = 3e-3  # reduced costs kept in the first branching, relative to the LP bound
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,19 @@ class Solution:
 
 
 class _Model:
-    """Sparse rows, bounds and integrality of one growing MILP."""
+    """Sparse rows, bounds and integrality of one growing MILP.
+
+    When the LP relaxation is fractional (a tight budget), the branching runs on a smaller
+    program: a 0/1 column (a strategy, or an edge pair) whose LP reduced cost exceeds the gap
+    between an incumbent and the LP bound raises any solution that uses it above that
+    incumbent, so it is fixed at 0 (reduced-cost fixing) and the optimum stays the same.
+    """
 
     def __init__(self, n_x: int):
         self.n = n_x
         self.cost: list[np.ndarray] = [np.zeros(n_x)]
         self.upper: list[np.ndarray] = [np.ones(n_x)]
+        self.zero_one: list[np.ndarray] = [np.ones(n_x, dtype=bool)]  # 0 or 1 in every integral solution
         self.rows: list[np.ndarray] = []
         self.cols: list[np.ndarray] = []
         self.vals: list[np.ndarray] = []
@@ -60,11 +68,12 @@ class _Model:
         self.hi: list[float] = []
         self.gap = 0.0
 
-    def add_vars(self, cost: np.ndarray, upper: float = 1.0) -> int:
+    def add_vars(self, cost: np.ndarray, upper: float = 1.0, zero_one: bool = False) -> int:
         first = self.n
         self.n += len(cost)
         self.cost.append(np.asarray(cost, dtype=float))
         self.upper.append(np.full(len(cost), upper))
+        self.zero_one.append(np.full(len(cost), zero_one))
         return first
 
     def add_rows(self, rows, cols, vals, lo, hi) -> None:
@@ -77,30 +86,80 @@ class _Model:
 
     def solve(self, n_int: int, time_limit: float) -> np.ndarray | None:
         """The optimum, from the LP relaxation when that is integral (it usually is), else by branching."""
+        deadline = time.perf_counter() + time_limit
         cost = np.concatenate(self.cost)
         matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
-                            shape=(len(self.lo), self.n)).tocsr()
-        args = dict(c=cost, constraints=LinearConstraint(matrix, self.lo, self.hi),
-                    bounds=Bounds(0, np.concatenate(self.upper)))
-        relaxed = milp(**args, options={"time_limit": time_limit})
-        if relaxed.x is None:
+                            shape=(len(self.lo), self.n)).tocsc()
+        lo, hi, upper = np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
+        everything = np.ones(self.n, dtype=bool)
+        lp = _lp(cost, matrix, lo, hi, upper, deadline)
+        if lp is None:
             return None  # infeasible even fractionally
-        if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
-            return relaxed.x
-        integrality = np.concatenate([np.ones(n_int), np.zeros(self.n - n_int)])
-        # HiGHS presolve restarts cost more than they save on these (already small) programs
-        exact = milp(**args, integrality=integrality,
-                     options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "presolve": False})
-        if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
-            if exact.x is None:
+        if lp == "time limit":  # branch on the whole program for what time is left
+            best = self._branch(cost, matrix, lo, hi, upper, everything, n_int, deadline)
+            return None if best is None else best[0]
+        x, bound, duals = lp
+        if np.all(np.abs(x[:n_int] - np.round(x[:n_int])) < 1e-7):
+            return x
+        reduced = cost - matrix.T @ duals
+        fixable = np.concatenate(self.zero_one)
+        slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
+        window = _FIRST_WINDOW * abs(bound)
+        while True:
+            keep = ~fixable | (reduced <= window + slack)
+            best = self._branch(cost, matrix, lo, hi, upper, keep, n_int, deadline)
+            if best is None and keep.all():
+                return None
+            if best is not None and (best[1] - bound <= window + slack or self.gap):
+                if self.gap:  # stopped by the time limit: how far off it may be from the bound of the whole program
+                    self.gap = max(self.gap, (best[1] - bound) / abs(best[1]))
+                return best[0]
+            # no plan among the kept columns, or one too far above the bound to rule the others out:
+            # widen step by step, as the best plan usually needs only a few more columns
+            window = min(4 * window, best[1] - bound) if best is not None else 4 * window + slack
+
+    def _branch(self, cost, matrix, lo, hi, upper, keep, n_int, deadline):
+        """(x, objective) of the MILP on the columns `keep`, the others fixed at 0; None if none fits."""
+        cols = np.flatnonzero(keep)
+        time_limit = max(deadline - time.perf_counter(), 1.0)
+        exact = milp(c=cost[cols], constraints=LinearConstraint(matrix[:, cols], lo, hi),
+                     bounds=Bounds(0, upper[cols]), integrality=(cols < n_int).astype(float),
+                     options={"time_limit": time_limit, "mip_rel_gap": 1e-7})
+        if exact.x is None:
+            if exact.status == 1 and keep.all():
                 raise ValueError(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
                                  "give tie_layers=True (one choice per repeated layer), a larger "
                                  "memory_budget, or a smaller mesh")
+            return None
+        if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
             self.gap = float(exact.mip_gap)
             warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
                           f"{self.gap:.1%} of the optimum (a tight memory_budget makes the search hard)",
-                          stacklevel=2)
-        return exact.x
+                          stacklevel=4)
+        x = np.zeros(self.n)
+        x[cols] = exact.x
+        return x, float(exact.fun)
+
+
+def _lp(cost, matrix, lo, hi, upper, deadline):
+    """(x, objective, row duals) of min cost.x with lo <= matrix.x <= hi, 0 <= x <= upper; None if
+    infeasible, "time limit" if the deadline came first."""
+    eq = lo == hi
+    below, above = ~eq & np.isfinite(hi), ~eq & np.isfinite(lo)
+    res = linprog(cost, A_ub=vstack([matrix[below], -matrix[above]]).tocsr(),
+                  b_ub=np.concatenate([hi[below], -lo[above]]), A_eq=matrix[eq].tocsr(), b_eq=lo[eq],
+                  bounds=np.stack([np.zeros(len(cost)), upper], axis=1), method="highs-ds",
+                  options={"time_limit": max(deadline - time.perf_counter(), 1.0)})
+    if res.status == 1:
+        return "time limit"
+    if res.status != 0:
+        return None
+    duals = np.zeros(len(lo))
+    duals[eq] = res.eqlin.marginals
+    n_below = int(below.sum())
+    duals[below] += res.ineqlin.marginals[:n_below]
+    duals[above] -= res.ineqlin.marginals[n_below:]
+    return res.x, float(res.fun), duals
 
 
 class _Builder:
@@ -156,7 +215,7 @@ class _Builder:
         first_col = np.array([np.flatnonzero(col_of == q)[0] for q in range(len(col_keys))])
         block = row_keys[:, first_col]
         n_p, n_q = block.shape
-        y0 = self.model.add_vars(block.ravel())
+        y0 = self.model.add_vars(block.ravel(), zero_one=True)
         y = y0 + np.arange(n_p * n_q)
         # sum_q y[p, q] - sum_{s in class p} x[s] = 0, then the same over columns
         rows = np.concatenate([np.repeat(np.arange(n_p), n_q), row_of,
