@@ -91,16 +91,17 @@ class _Model:
         matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
                             shape=(len(self.lo), self.n)).tocsc()
         lo, hi, upper = np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
-        everything = np.ones(self.n, dtype=bool)
-        lp = _lp(cost, matrix, lo, hi, upper, deadline)
-        if lp is None:
+        relaxed = milp(c=cost, constraints=LinearConstraint(matrix, lo, hi), bounds=Bounds(0, upper),
+                       options={"time_limit": time_limit})
+        if relaxed.x is None:
             return None  # infeasible even fractionally
-        if lp == "time limit":  # branch on the whole program for what time is left
-            best = self._branch(cost, matrix, lo, hi, upper, everything, n_int, deadline)
+        if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
+            return relaxed.x
+        lp = _lp(cost, matrix, lo, hi, upper, deadline)  # again, for the duals scipy's milp does not return
+        if lp is None:  # the deadline came first: branch on the whole program for what time is left
+            best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), n_int, deadline)
             return None if best is None else best[0]
-        x, bound, duals = lp
-        if np.all(np.abs(x[:n_int] - np.round(x[:n_int])) < 1e-7):
-            return x
+        bound, duals = lp
         reduced = cost - matrix.T @ duals
         fixable = np.concatenate(self.zero_one)
         slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
@@ -142,16 +143,14 @@ class _Model:
 
 
 def _lp(cost, matrix, lo, hi, upper, deadline):
-    """(x, objective, row duals) of min cost.x with lo <= matrix.x <= hi, 0 <= x <= upper; None if
-    infeasible, "time limit" if the deadline came first."""
+    """(objective, row duals) of the LP min cost.x, lo <= matrix.x <= hi, 0 <= x <= upper, feasible
+    already; None if the deadline came first."""
     eq = lo == hi
     below, above = ~eq & np.isfinite(hi), ~eq & np.isfinite(lo)
     res = linprog(cost, A_ub=vstack([matrix[below], -matrix[above]]).tocsr(),
                   b_ub=np.concatenate([hi[below], -lo[above]]), A_eq=matrix[eq].tocsr(), b_eq=lo[eq],
                   bounds=np.stack([np.zeros(len(cost)), upper], axis=1), method="highs-ds",
                   options={"time_limit": max(deadline - time.perf_counter(), 1.0)})
-    if res.status == 1:
-        return "time limit"
     if res.status != 0:
         return None
     duals = np.zeros(len(lo))
@@ -159,7 +158,7 @@ def _lp(cost, matrix, lo, hi, upper, deadline):
     n_below = int(below.sum())
     duals[below] += res.ineqlin.marginals[:n_below]
     duals[above] -= res.ineqlin.marginals[n_below:]
-    return res.x, float(res.fun), duals
+    return float(res.fun), duals
 
 
 class _Builder:
