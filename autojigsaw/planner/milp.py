@@ -14,6 +14,12 @@ budget, solve again. Every row is exact at its point -- a saved storage read by 
 nodes is a variable z >= each reader's bytes, a collective buffer that exists only when
 producer and consumer placements differ uses w[P] <= both sides' mass on placement P --
 so a violated point never comes back, and the loop ends at the constrained optimum.
+
+A tight budget makes the LP relaxation fractional (it mixes a fast plan with a small one), and
+branching on the whole program -- tens of thousands of edge variables -- took minutes. The
+LP's reduced costs prune it first: a 0/1 column whose reduced cost exceeds the gap between a
+plan and the LP bound cannot be in an optimal plan, so the branching sees a few thousand
+columns, in widening windows until the best plan found is within the window (_Model.solve).
 """
 
 from __future__ import annotations
@@ -48,13 +54,7 @@ class Solution:
 
 
 class _Model:
-    """Sparse rows, bounds and integrality of one growing MILP.
-
-    When the LP relaxation is fractional (a tight budget), the branching runs on a smaller
-    program: a 0/1 column (a strategy, or an edge pair) whose LP reduced cost exceeds the gap
-    between an incumbent and the LP bound raises any solution that uses it above that
-    incumbent, so it is fixed at 0 (reduced-cost fixing) and the optimum stays the same.
-    """
+    """Sparse rows, bounds and integrality of one growing MILP."""
 
     def __init__(self, n_x: int):
         self.n = n_x
@@ -106,8 +106,9 @@ class _Model:
         fixable = np.concatenate(self.zero_one)
         slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
         window = _FIRST_WINDOW * abs(bound)
+        zero_rows = matrix.tocsr()[(lo == 0) & (hi == 0)]
         while True:
-            keep = ~fixable | (reduced <= window + slack)
+            keep = _propagated(zero_rows, ~fixable | (reduced <= window + slack))
             best = self._branch(cost, matrix, lo, hi, upper, keep, n_int, deadline)
             if best is None and keep.all():
                 return None
@@ -117,17 +118,18 @@ class _Model:
                 return best[0]
             # no plan among the kept columns, or one too far above the bound to rule the others out:
             # widen step by step, as the best plan usually needs only a few more columns
-            window = min(4 * window, best[1] - bound) if best is not None else 4 * window + slack
+            window = 4 * window + slack if best is None or best[1] - bound > 16 * window else best[1] - bound
 
     def _branch(self, cost, matrix, lo, hi, upper, keep, n_int, deadline):
         """(x, objective) of the MILP on the columns `keep`, the others fixed at 0; None if none fits."""
         cols = np.flatnonzero(keep)
         time_limit = max(deadline - time.perf_counter(), 1.0)
+        # HiGHS presolve restarts cost more than they save here; _propagated did the useful part
         exact = milp(c=cost[cols], constraints=LinearConstraint(matrix[:, cols], lo, hi),
                      bounds=Bounds(0, upper[cols]), integrality=(cols < n_int).astype(float),
-                     options={"time_limit": time_limit, "mip_rel_gap": 1e-7})
+                     options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "presolve": False})
         if exact.x is None:
-            if exact.status == 1 and keep.all():
+            if exact.status == 1:
                 raise ValueError(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
                                  "give tie_layers=True (one choice per repeated layer), a larger "
                                  "memory_budget, or a smaller mesh")
@@ -140,6 +142,19 @@ class _Model:
         x = np.zeros(self.n)
         x[cols] = exact.x
         return x, float(exact.fun)
+
+
+def _propagated(zero_rows, keep: np.ndarray) -> np.ndarray:
+    """`keep`, less the columns a row "= 0" then forces to 0: those of a row whose kept
+    coefficients all have one sign (an edge's marginal row once its pairs are all fixed at 0)."""
+    positive, negative = (zero_rows > 0).astype(float), (zero_rows < 0).astype(float)
+    while True:
+        kept = keep.astype(float)
+        one_sign = (positive @ kept > 0) != (negative @ kept > 0)
+        forced = keep & (abs(zero_rows[one_sign]).sum(axis=0).A1 > 0)
+        if not forced.any():
+            return keep
+        keep = keep & ~forced
 
 
 def _lp(cost, matrix, lo, hi, upper, deadline):
