@@ -93,11 +93,13 @@ class _Model:
         lo, hi, upper = np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
         relaxed = milp(c=cost, constraints=LinearConstraint(matrix, lo, hi), bounds=Bounds(0, upper),
                        options={"time_limit": time_limit})
-        if relaxed.x is None:
-            return None  # infeasible even fractionally
-        if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
-            return relaxed.x
-        lp = _lp(cost, matrix, lo, hi, upper, deadline)  # again, for the duals scipy's milp does not return
+        lp = None  # the deadline came in the first LP
+        if relaxed.status != 1:
+            if relaxed.x is None:
+                return None  # infeasible even fractionally
+            if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
+                return relaxed.x
+            lp = _lp(cost, matrix, lo, hi, upper, deadline)  # again, for the duals scipy's milp does not return
         if lp is None:  # the deadline came first: branch on the whole program for what time is left
             best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), n_int, deadline)
             return None if best is None else best[0]
