@@ -137,10 +137,7 @@ class _Model:
                                  "memory_budget, or a smaller mesh")
             return None
         if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
-            self.gap = float(exact.mip_gap)
-            warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
-                          f"{self.gap:.1%} of the optimum (a tight memory_budget makes the search hard)",
-                          stacklevel=4)
+            self.gap = max(self.gap, float(exact.mip_gap))
         x = np.zeros(self.n)
         x[cols] = exact.x
         return x, float(exact.fun)
@@ -342,6 +339,10 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) 
         choice = problem.expand(builder.group_choice(x))
         peak, point = problem.memory.peak(choice)
         if budget is None or peak <= budget * (1 + 1e-6):  # HiGHS' feasibility tolerance
+            if builder.model.gap:
+                warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
+                              f"{builder.model.gap:.1%} of the optimum (a tight memory_budget makes the search "
+                              "hard)", stacklevel=2)
             return Solution(choice, problem.objective(choice), peak, point, tuple(cuts), solves,
                             time.perf_counter() - start, builder.model.gap)
         assert point not in cuts, f"the memory row of point {point} is not exact"
