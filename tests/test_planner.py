@@ -170,18 +170,13 @@ def test_table_summary_and_explanation_of_every_candidate():
 
 
 def test_a_search_stopped_by_the_time_limit_keeps_a_plan_that_fits_and_says_its_gap():
-    """Latency-bound links under a tight budget make an MILP whose relaxation is fractional."""
-    from dataclasses import replace
-
-    from autojigsaw.cost_model.devices import LinkSpec
-
+    """A tight budget on 2 x 2 makes an MILP whose relaxation is far from integral (30 s to prove here)."""
     from .side_by_side import build, replicated_bytes
 
-    model, inputs = build("llama")
-    slow = replace(device_spec("cpu"), intra_node=LinkSpec("slow", 1e-3, 0.8e9))
-    problem = _problem(model, inputs, {"domain": 2, "tensor": 2}, device=slow, tie_layers=False)
-    budget = 0.7 * replicated_bytes("llama", torch.float64)
-    with pytest.warns(UserWarning, match="time limit of 3 s reached; the plan is within"):
-        solution = solve(problem, budget, time_limit=3.0)
+    model, inputs = build("vit")
+    problem = _problem(model, inputs, {"domain": 2, "tensor": 2}, tie_layers=False)
+    budget = 0.6 * replicated_bytes("vit", torch.float64)
+    with pytest.warns(UserWarning, match="time limit of 2 s reached; the plan is within"):
+        solution = solve(problem, budget, time_limit=2.0)
     assert 0 < solution.gap < 1 and solution.peak_memory <= budget * (1 + 1e-6)
     assert problem.memory.peak(solution.choice)[0] == solution.peak_memory

@@ -14,6 +14,12 @@ budget, solve again. Every row is exact at its point -- a saved storage read by 
 nodes is a variable z >= each reader's bytes, a collective buffer that exists only when
 producer and consumer placements differ uses w[P] <= both sides' mass on placement P --
 so a violated point never comes back, and the loop ends at the constrained optimum.
+
+A tight budget makes the LP relaxation fractional (it mixes a fast plan with a small one), and
+branching on the whole program -- tens of thousands of edge variables -- took minutes. The
+LP's reduced costs prune it first: a 0/1 column whose reduced cost exceeds the gap between a
+plan and the LP bound cannot be in an optimal plan, so the branching sees a few thousand
+columns, in widening windows until the best plan found is within the window (_Model.solve).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+from scipy.sparse import coo_matrix, vstack
 
 from ..cost_model.liveness import MaxItem, PairItem
 from .problem import Problem
 
 _SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
+_FIRST_WINDOW = 3e-3  # reduced costs kept in the first branching, relative to the LP bound
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class _Model:
         self.n = n_x
         self.cost: list[np.ndarray] = [np.zeros(n_x)]
         self.upper: list[np.ndarray] = [np.ones(n_x)]
+        self.zero_one: list[np.ndarray] = [np.ones(n_x, dtype=bool)]  # 0 or 1 in every integral solution
         self.rows: list[np.ndarray] = []
         self.cols: list[np.ndarray] = []
         self.vals: list[np.ndarray] = []
@@ -60,11 +68,12 @@ class _Model:
         self.hi: list[float] = []
         self.gap = 0.0
 
-    def add_vars(self, cost: np.ndarray, upper: float = 1.0) -> int:
+    def add_vars(self, cost: np.ndarray, upper: float = 1.0, zero_one: bool = False) -> int:
         first = self.n
         self.n += len(cost)
         self.cost.append(np.asarray(cost, dtype=float))
         self.upper.append(np.full(len(cost), upper))
+        self.zero_one.append(np.full(len(cost), zero_one))
         return first
 
     def add_rows(self, rows, cols, vals, lo, hi) -> None:
@@ -77,30 +86,93 @@ class _Model:
 
     def solve(self, n_int: int, time_limit: float) -> np.ndarray | None:
         """The optimum, from the LP relaxation when that is integral (it usually is), else by branching."""
+        deadline = time.perf_counter() + time_limit
         cost = np.concatenate(self.cost)
         matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
-                            shape=(len(self.lo), self.n)).tocsr()
-        args = dict(c=cost, constraints=LinearConstraint(matrix, self.lo, self.hi),
-                    bounds=Bounds(0, np.concatenate(self.upper)))
-        relaxed = milp(**args, options={"time_limit": time_limit})
-        if relaxed.x is None:
-            return None  # infeasible even fractionally
-        if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
-            return relaxed.x
-        integrality = np.concatenate([np.ones(n_int), np.zeros(self.n - n_int)])
-        # HiGHS presolve restarts cost more than they save on these (already small) programs
-        exact = milp(**args, integrality=integrality,
+                            shape=(len(self.lo), self.n)).tocsc()
+        lo, hi, upper = np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
+        relaxed = milp(c=cost, constraints=LinearConstraint(matrix, lo, hi), bounds=Bounds(0, upper),
+                       options={"time_limit": time_limit})
+        lp = None  # the deadline came in the first LP
+        if relaxed.status != 1:
+            if relaxed.x is None:
+                return None  # infeasible even fractionally
+            if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
+                return relaxed.x
+            lp = _lp(cost, matrix, lo, hi, upper, deadline)  # again, for the duals scipy's milp does not return
+        if lp is None:  # the deadline came first: branch on the whole program for what time is left
+            best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), n_int, deadline)
+            return None if best is None else best[0]
+        bound, duals = lp
+        reduced = cost - matrix.T @ duals
+        fixable = np.concatenate(self.zero_one)
+        slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
+        window = _FIRST_WINDOW * abs(bound)
+        zero_rows = matrix.tocsr()[(lo == 0) & (hi == 0)]
+        while True:
+            keep = _propagated(zero_rows, ~fixable | (reduced <= window + slack))
+            best = self._branch(cost, matrix, lo, hi, upper, keep, n_int, deadline)
+            if best is None and keep.all():
+                return None
+            if best is not None and (best[1] - bound <= window + slack or self.gap):
+                if self.gap:  # stopped by the time limit: how far off it may be from the bound of the whole program
+                    self.gap = max(self.gap, (best[1] - bound) / abs(best[1]))
+                return best[0]
+            # no plan among the kept columns, or one too far above the bound to rule the others out:
+            # widen step by step, as the best plan usually needs only a few more columns
+            window = 4 * window + slack if best is None or best[1] - bound > 16 * window else best[1] - bound
+
+    def _branch(self, cost, matrix, lo, hi, upper, keep, n_int, deadline):
+        """(x, objective) of the MILP on the columns `keep`, the others fixed at 0; None if none fits."""
+        cols = np.flatnonzero(keep)
+        time_limit = max(deadline - time.perf_counter(), 1.0)
+        # HiGHS presolve restarts cost more than they save here; _propagated did the useful part
+        exact = milp(c=cost[cols], constraints=LinearConstraint(matrix[:, cols], lo, hi),
+                     bounds=Bounds(0, upper[cols]), integrality=(cols < n_int).astype(float),
                      options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "presolve": False})
-        if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
-            if exact.x is None:
+        if exact.x is None:
+            if exact.status == 1:
                 raise ValueError(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
                                  "give tie_layers=True (one choice per repeated layer), a larger "
                                  "memory_budget, or a smaller mesh")
-            self.gap = float(exact.mip_gap)
-            warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
-                          f"{self.gap:.1%} of the optimum (a tight memory_budget makes the search hard)",
-                          stacklevel=2)
-        return exact.x
+            return None
+        if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
+            self.gap = max(self.gap, float(exact.mip_gap))
+        x = np.zeros(self.n)
+        x[cols] = exact.x
+        return x, float(exact.fun)
+
+
+def _propagated(zero_rows, keep: np.ndarray) -> np.ndarray:
+    """`keep`, less the columns a row "= 0" then forces to 0: those of a row whose kept
+    coefficients all have one sign (an edge's marginal row once its pairs are all fixed at 0)."""
+    positive, negative = (zero_rows > 0).astype(float), (zero_rows < 0).astype(float)
+    while True:
+        kept = keep.astype(float)
+        one_sign = (positive @ kept > 0) != (negative @ kept > 0)
+        forced = keep & (abs(zero_rows[one_sign]).sum(axis=0).A1 > 0)
+        if not forced.any():
+            return keep
+        keep = keep & ~forced
+
+
+def _lp(cost, matrix, lo, hi, upper, deadline):
+    """(objective, row duals) of the LP min cost.x, lo <= matrix.x <= hi, 0 <= x <= upper, feasible
+    already; None if the deadline came first."""
+    eq = lo == hi
+    below, above = ~eq & np.isfinite(hi), ~eq & np.isfinite(lo)
+    res = linprog(cost, A_ub=vstack([matrix[below], -matrix[above]]).tocsr(),
+                  b_ub=np.concatenate([hi[below], -lo[above]]), A_eq=matrix[eq].tocsr(), b_eq=lo[eq],
+                  bounds=np.stack([np.zeros(len(cost)), upper], axis=1), method="highs-ds",
+                  options={"time_limit": max(deadline - time.perf_counter(), 1.0)})
+    if res.status != 0:
+        return None
+    duals = np.zeros(len(lo))
+    duals[eq] = res.eqlin.marginals
+    n_below = int(below.sum())
+    duals[below] += res.ineqlin.marginals[:n_below]
+    duals[above] -= res.ineqlin.marginals[n_below:]
+    return float(res.fun), duals
 
 
 class _Builder:
@@ -156,7 +228,7 @@ class _Builder:
         first_col = np.array([np.flatnonzero(col_of == q)[0] for q in range(len(col_keys))])
         block = row_keys[:, first_col]
         n_p, n_q = block.shape
-        y0 = self.model.add_vars(block.ravel())
+        y0 = self.model.add_vars(block.ravel(), zero_one=True)
         y = y0 + np.arange(n_p * n_q)
         # sum_q y[p, q] - sum_{s in class p} x[s] = 0, then the same over columns
         rows = np.concatenate([np.repeat(np.arange(n_p), n_q), row_of,
@@ -267,6 +339,10 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) 
         choice = problem.expand(builder.group_choice(x))
         peak, point = problem.memory.peak(choice)
         if budget is None or peak <= budget * (1 + 1e-6):  # HiGHS' feasibility tolerance
+            if builder.model.gap:
+                warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
+                              f"{builder.model.gap:.1%} of the optimum (a tight memory_budget makes the search "
+                              "hard)", stacklevel=2)
             return Solution(choice, problem.objective(choice), peak, point, tuple(cuts), solves,
                             time.perf_counter() - start, builder.model.gap)
         assert point not in cuts, f"the memory row of point {point} is not exact"

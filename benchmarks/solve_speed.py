@@ -1,0 +1,154 @@
+"""How fast and how well the planner's MILP solves, tight memory budgets included.
+
+Run: python benchmarks/solve_speed.py [--time-limit S] [--only SUBSTRING]
+
+Cases: a 2-layer Mistral (hidden 64) on domain=2 x tensor=2 under 0.8, 0.7 and 0.6 of its
+1-rank plan's memory; the tests' Hugging Face models (tests/hf_models.py) under 0.7 and 0.6 on
+tensor=2 and on domain=2 x tensor=2 (float64 on the cpu spec, as tests/side_by_side.py plans
+them); the Llama-3-8B shape of benchmarks/plan_speed.py on domain=8 x tensor=8 (h100) with
+activation_checkpointing="auto". Every call into HiGHS is recorded: the table shows the
+largest program's variables and constraints, the number of HiGHS calls and their seconds, the
+worst status (optimal, gap: stopped at the time limit with a plan, time limit: no plan),
+and the predicted step time (the objective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import autojigsaw  # noqa: E402
+import autojigsaw.api as api  # noqa: E402
+import autojigsaw.planner.milp as milp_module  # noqa: E402
+from autojigsaw.api import Options, plan_captured  # noqa: E402
+from autojigsaw.capture import capture  # noqa: E402
+from autojigsaw.mesh import MeshSpec  # noqa: E402
+from autojigsaw.training import Regime  # noqa: E402
+from benchmarks.plan_speed import BATCH, SEQ, llama  # noqa: E402
+from tests.hf_models import hf_model  # noqa: E402
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+TWO, TWO_BY_TWO = {"tensor": 2}, {"domain": 2, "tensor": 2}
+
+
+def mistral():
+    """A 2-layer, 64-wide Mistral with seeded weights and a (2, 16) batch of ids."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MistralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128, use_cache=False)
+    return tf.MistralForCausalLM(cfg), (torch.randint(0, 128, (2, 16)),)
+
+
+def small(name: str):
+    """(model, inputs) of a small case in float64, in training mode."""
+    model, inputs = mistral() if name == "mistral" else hf_model(name)
+    model.train()
+    return model.double(), tuple(x.double() if x.is_floating_point() else x for x in inputs)
+
+
+CASES = ([("mistral", TWO_BY_TWO, f) for f in (0.8, 0.7, 0.6)]
+         + [(name, mesh, f) for name in ("gpt2", "llama", "bert", "vit") for mesh in (TWO, TWO_BY_TWO)
+            for f in (0.7, 0.6)])
+
+
+class Recorder:
+    """Every HiGHS call the planner makes (scipy's milp and linprog): size, status, gap, seconds."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int, int, float, float]] = []
+        self._solvers = {name: getattr(milp_module, name) for name in ("milp", "linprog")}
+
+    def __enter__(self):
+        for name, solver in self._solvers.items():
+            setattr(milp_module, name, functools.partial(self._recorded, solver))
+        self.calls.clear()
+        return self
+
+    def __exit__(self, *exc):
+        for name, solver in self._solvers.items():
+            setattr(milp_module, name, solver)
+
+    def _recorded(self, solver, c, *args, **kwargs):
+        start = time.perf_counter()
+        res = solver(c, *args, **kwargs)
+        if "constraints" in kwargs:
+            rows = kwargs["constraints"].A.shape[0]
+        else:  # linprog: every row once, the ranged ones (none here) twice
+            rows = kwargs["A_ub"].shape[0] + kwargs["A_eq"].shape[0]
+        gap = getattr(res, "mip_gap", None)
+        self.calls.append((len(c), rows, res.status, gap if gap is not None and res.x is not None else 0.0,
+                           time.perf_counter() - start))
+        return res
+
+    def row(self) -> tuple:
+        status = "optimal"
+        stopped = [g for _, _, s, g, _ in self.calls if s == 1]
+        if stopped:
+            status = "time limit" if any(g == 0.0 for g in stopped) else f"gap {max(stopped):.2%}"
+        return (max(c[0] for c in self.calls), max(c[1] for c in self.calls), len(self.calls),
+                f"{sum(c[4] for c in self.calls):.2f}", status)
+
+
+def run_small(name: str, mesh: dict[str, int], fraction: float) -> tuple:
+    model, inputs = small(name)
+    whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+    model, inputs = small(name)
+    with Recorder() as rec:
+        try:
+            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(fraction * whole))
+            objective = f"{plan.step_time * 1e6:.3f} us"
+        except ValueError as e:
+            objective = f"infeasible ({str(e).splitlines()[0][:40]}...)"
+    return (f"{name} on {_mesh(mesh)} at {fraction}", *rec.row(), objective)
+
+
+def run_llama() -> tuple:
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    captured = capture(llama(32, hf=False), (ids, ids), {})
+    mesh = MeshSpec.of({"domain": 8, "tensor": 8})
+    options = Options(device="h100", training=True, memory_budget=None,
+                      regime=Regime.of(mesh, activation_checkpointing="auto"))
+    with Recorder() as rec:
+        plan = plan_captured(captured, mesh, options)
+    recomputed = ", ".join(sorted({p for _, p in plan.recompute})) or "none"
+    return ("Llama-3-8B on 8x8, auto", *rec.row(),
+            f"{plan.step_time * 1e3:.3f} ms (recompute: {recomputed}; solve stage {plan.stats.solve_s:.1f} s)")
+
+
+def _mesh(mesh: dict[str, int]) -> str:
+    return "x".join(str(v) for v in mesh.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per MILP (the planner's: 300)")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    args = parser.parse_args()
+    api.solve = functools.partial(milp_module.solve, time_limit=args.time_limit)
+    rows = []
+    for name, mesh, fraction in CASES:
+        if args.only in f"{name} on {_mesh(mesh)} at {fraction}":
+            rows.append(run_small(name, mesh, fraction))
+            print(*rows[-1], sep=" | ", flush=True)
+    if args.only in "Llama-3-8B on 8x8, auto":
+        rows.append(run_llama())
+        print(*rows[-1], sep=" | ", flush=True)
+    print(f"\nMILP time limit {args.time_limit:.0f} s per solve")
+    print(tabulate(rows, headers=["case", "variables", "constraints", "HiGHS calls", "HiGHS s", "status", "objective"],
+                   tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
