@@ -27,6 +27,9 @@ from torch.fx import GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from .modules import module_path
+
+aten = torch.ops.aten
 # Nodes that only check metadata: they would fail on local shards and compute nothing.
 _DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
 log = logging.getLogger("autojigsaw")
@@ -93,6 +96,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
         else:
             raise ValueError(f"unsupported exported input kind {spec.kind} for {name}")
     gm = ep.graph_module
+    _check_operand_dtypes(gm, params)
     _merge_tied(gm, params, model)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _DROPPED and not node.users:
@@ -253,6 +257,24 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torc
         raise ValueError(_export_error(model, e)) from e
     sys.stderr.write(torch_stderr.getvalue())
     return ep
+
+
+_ONE_DTYPE_OPS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                  aten.matmul.default, aten.convolution.default)
+
+
+def _check_operand_dtypes(gm: GraphModule, params: dict[str, str]) -> None:
+    """A matmul or convolution of tensors of different dtypes (integer inputs to a float layer)
+    traces on fake tensors but fails on every rank: refused here, by node and module."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _ONE_DTYPE_OPS:
+            continue
+        dtypes = [a.meta["val"].dtype for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if len(set(dtypes)) > 1:
+            where = module_path(node, params) or "the model"
+            raise ValueError(f"node {node.name} ({where}) runs {node.target} on tensors of dtypes "
+                             f"{[str(d) for d in dtypes]}: it needs one dtype; cast the input to the weights' dtype "
+                             "(x.float()), or pass integer ids through an embedding")
 
 
 def _check_dense(args: tuple, kwargs: dict) -> None:

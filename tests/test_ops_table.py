@@ -83,3 +83,45 @@ def test_op_without_a_rule_runs_replicated_and_matches_one_device(ranks2):
     eps = torch.finfo(torch.float64).eps
     for r in ranks2.run(_diff_run, plan.to_json()):
         assert r["output"] <= 16 * eps and r["grads"] <= 16 * eps, r  # a few roundoffs of the largest entry
+
+
+def test_integer_input_to_a_float_layer_is_refused():
+    with pytest.raises(ValueError, match=r"node linear .* dtypes \['torch.int64', 'torch.float32'.*cast the input"):
+        autojigsaw.plan(torch.nn.Linear(16, 16), (torch.ones(4, 16, dtype=torch.int64),), {"tensor": 2}, device="cpu")
+
+
+class _ComplexIn(torch.nn.Module):
+    """A complex input, squared, seen as real pairs by two linears."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(32, 256)
+        self.fc2 = torch.nn.Linear(256, 32)
+
+    def forward(self, z):
+        return self.fc2(torch.relu(self.fc1(torch.view_as_real(z * z).flatten(-2))))
+
+
+Z = torch.randn(8, 16, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+
+
+def _complex_run(plan_json: str) -> dict:
+    ref = _ComplexIn()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (Z,), compile=False,
+                                    plan=autojigsaw.Plan.from_json(plan_json))
+    out, want = pmodel(Z), ref(Z)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    scale = max(q.grad.abs().max() for q in ref.parameters())
+    grads = max((p.grad.full_tensor() - q.grad).abs().max() / scale for p, q in zip(pmodel.parameters(), ref.parameters()))
+    return {"output": ((out - want).abs().max() / want.abs().max()).item(), "grads": grads.item()}
+
+
+def test_complex_input_shards_and_matches_one_device(ranks2):
+    whole = autojigsaw.plan(_ComplexIn(), (Z,), {"tensor": 1}, device="cpu").memory_per_rank
+    plan = autojigsaw.plan(_ComplexIn(), (Z,), {"tensor": 2}, device="cpu", memory_budget=int(0.7 * whole))
+    assert any(not p.is_replicate() for pl in plan.param_placements.values() for p in pl), plan.table()
+    eps = torch.finfo(torch.float32).eps
+    for r in ranks2.run(_complex_run, plan.to_json()):
+        assert r["output"] <= 16 * eps and r["grads"] <= 16 * eps, r  # a few roundoffs of the largest entry
