@@ -16,12 +16,14 @@ import torch
 import transformers.integrations.moe  # noqa: F401  (defines transformers.grouped_mm_fallback)
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import autojigsaw
 from autojigsaw import Plan
+from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.capture import capture
 from autojigsaw.strategies.rules.moe import GROUPED_MM, expert_rows_mm
 
 from .hf_models import hf_model
-from .side_by_side import plan_json, train
+from .side_by_side import build, replicated_bytes, train
 
 FP32_TOL = 40 * torch.finfo(torch.float32).eps  # relative to the largest value
 FP64_TOL = 8 * torch.finfo(torch.float64).eps
@@ -69,7 +71,12 @@ def test_expert_rows_of_every_rank_sum_to_the_grouped_matmul(counts, split):
 
 @pytest.fixture(scope="module")
 def planned():
-    return plan_json("mixtral", MESH, 0.7, dtype=torch.float32)
+    """Under 0.7 of the replicated bytes, priced on 100 us links: on this tiny model gloo's ~0.5 ms
+    rounds (the "cpu" spec) make gathering the expert weights cheaper than any sharded matmul."""
+    model, inputs = build("mixtral", dtype=torch.float32)
+    links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
+    budget = int(0.7 * replicated_bytes("mixtral", torch.float32))
+    return autojigsaw.plan(model, inputs, MESH, device=links, memory_budget=budget).to_json()
 
 
 def test_planner_shards_the_expert_weights_and_trains_like_single_device(ranks2, planned):
