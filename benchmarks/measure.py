@@ -9,9 +9,11 @@ keeps the peak. Both are dispatch modes, so they see eager execution only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -74,3 +76,13 @@ def peak_memory_of(step: Callable[[], object], module: torch.nn.Module, optimize
     snapshot = tracker.get_tracker_snapshot("peak")
     per_device = next(iter(snapshot.values()), {})
     return {str(getattr(k, "value", k)): int(v) for k, v in per_device.items()}
+
+
+def timed_step(run, x) -> float:
+    """Wall seconds of `run.step(x)` between two barriers (ranks where `run.active` is False only wait)."""
+    dist.barrier()
+    start = time.perf_counter()
+    if run.active:
+        run.step(x)
+    dist.barrier()
+    return time.perf_counter() - start

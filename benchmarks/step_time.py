@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from . import models, variants
 from .common import Report, kib, mib, ratio
-from .measure import comm_of, peak_memory_of
+from .measure import comm_of, timed_step, peak_memory_of
 
 TOLERANCE = 1e-4  # relative to the largest output of the single-device model (fp32)
 
@@ -65,15 +64,6 @@ def _check(runs: dict, ref, x) -> dict:
     return diffs
 
 
-def _time_step(v: variants.Variant, x) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    if v.active:
-        v.step(x)
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def run_rank(cfg: dict) -> dict:
     """On every rank: build, check, time (interleaved), then measure traffic and memory."""
     n = dist.get_world_size()
@@ -87,11 +77,11 @@ def run_rank(cfg: dict) -> dict:
     diffs = _check(runs, models.build(cfg["d"], cfg["hidden"], cfg["depth"]), x)
     for v in runs.values():
         for _ in range(cfg["warmup"]):
-            _time_step(v, x)
+            timed_step(v, x)
     times = {label: [] for label in runs}
     for _ in range(cfg["reps"]):
         for label, v in runs.items():
-            times[label].append(_time_step(v, x))
+            times[label].append(timed_step(v, x))
     measured = {}
     for (name, compiled), v in runs.items():
         if not compiled:  # dispatch modes see eager execution only

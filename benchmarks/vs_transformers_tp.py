@@ -20,7 +20,6 @@ import argparse
 import copy
 import logging
 import statistics
-import time
 import warnings
 
 import torch
@@ -32,7 +31,7 @@ from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from .common import Report, kib, ratio
-from .measure import comm_of
+from .measure import comm_of, timed_step
 
 TOLERANCE = 1e-4  # relative, fp32
 NAMES = ("single", "transformers-tp", "autojigsaw", "autojigsaw-100us")
@@ -73,15 +72,6 @@ class _Run:
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
 
-def _timed(run: _Run, ids) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    if run.active:
-        run.step(ids)
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def run_rank(cfg: dict) -> dict:
     """On every rank: build the three, check two steps' losses, time them interleaved, measure traffic."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -105,11 +95,11 @@ def run_rank(cfg: dict) -> dict:
     if bad:
         raise AssertionError(f"losses differ from the single-device model by {bad}; nothing was timed")
     for run in runs.values():
-        _timed(run, ids)
+        timed_step(run, ids)
     times = {name: [] for name in runs}
     for _ in range(cfg["reps"]):
         for name, run in runs.items():
-            times[name].append(_timed(run, ids))
+            times[name].append(timed_step(run, ids))
     comm, counted = {}, {}
     for name, run in runs.items():
         if name != "single":

@@ -63,11 +63,12 @@ class _Diff(torch.nn.Module):
         return self.fc2(torch.diff(torch.relu(self.fc1(x)), dim=1))
 
 
-def _diff_run(plan_json: str) -> dict:
-    ref = _Diff()
-    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (X,), compile=False,
+def _side_by_side(make, x, plan_json: str) -> dict:
+    """Output and every parameter's gradient of `make()` on 2 ranks against one device, relative."""
+    ref = make()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
                                     plan=autojigsaw.Plan.from_json(plan_json))
-    out, want = pmodel(X), ref(X)
+    out, want = pmodel(x), ref(x)
     out.square().sum().backward()
     want.square().sum().backward()
     grads = max(((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()).item()
@@ -75,13 +76,18 @@ def _diff_run(plan_json: str) -> dict:
     return {"output": ((out - want).abs().max() / want.abs().max()).item(), "grads": grads}
 
 
+def _sharding_plan(make, x, fraction: float) -> autojigsaw.Plan:
+    """The tensor=2 plan of `make()` under `fraction` of its 1-rank memory."""
+    whole = autojigsaw.plan(make(), (x,), {"tensor": 1}, device="cpu").memory_per_rank
+    return autojigsaw.plan(make(), (x,), {"tensor": 2}, device="cpu", memory_budget=int(fraction * whole))
+
+
 def test_op_without_a_rule_runs_replicated_and_matches_one_device(ranks2):
-    whole = autojigsaw.plan(_Diff(), (X,), {"tensor": 1}, device="cpu").memory_per_rank
-    plan = autojigsaw.plan(_Diff(), (X,), {"tensor": 2}, device="cpu", memory_budget=int(0.8 * whole))
+    plan = _sharding_plan(_Diff, X, 0.8)
     assert [n.note for n in plan.fallbacks] == ["no sharding rule for diff.default"], plan.table()
     assert any(not p.is_replicate() for pl in plan.param_placements.values() for p in pl), plan.table()
     eps = torch.finfo(torch.float64).eps
-    for r in ranks2.run(_diff_run, plan.to_json()):
+    for r in ranks2.run(_side_by_side, _Diff, X, plan.to_json()):
         assert r["output"] <= 16 * eps and r["grads"] <= 16 * eps, r  # a few roundoffs of the largest entry
 
 
@@ -106,22 +112,9 @@ class _ComplexIn(torch.nn.Module):
 Z = torch.randn(8, 16, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
 
 
-def _complex_run(plan_json: str) -> dict:
-    ref = _ComplexIn()
-    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (Z,), compile=False,
-                                    plan=autojigsaw.Plan.from_json(plan_json))
-    out, want = pmodel(Z), ref(Z)
-    out.square().sum().backward()
-    want.square().sum().backward()
-    scale = max(q.grad.abs().max() for q in ref.parameters())
-    grads = max((p.grad.full_tensor() - q.grad).abs().max() / scale for p, q in zip(pmodel.parameters(), ref.parameters()))
-    return {"output": ((out - want).abs().max() / want.abs().max()).item(), "grads": grads.item()}
-
-
 def test_complex_input_shards_and_matches_one_device(ranks2):
-    whole = autojigsaw.plan(_ComplexIn(), (Z,), {"tensor": 1}, device="cpu").memory_per_rank
-    plan = autojigsaw.plan(_ComplexIn(), (Z,), {"tensor": 2}, device="cpu", memory_budget=int(0.7 * whole))
+    plan = _sharding_plan(_ComplexIn, Z, 0.7)
     assert any(not p.is_replicate() for pl in plan.param_placements.values() for p in pl), plan.table()
     eps = torch.finfo(torch.float32).eps
-    for r in ranks2.run(_complex_run, plan.to_json()):
+    for r in ranks2.run(_side_by_side, _ComplexIn, Z, plan.to_json()):
         assert r["output"] <= 16 * eps and r["grads"] <= 16 * eps, r  # a few roundoffs of the largest entry
