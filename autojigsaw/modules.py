@@ -26,3 +26,9 @@ def module_path(node: Node, params: dict[str, str]) -> str | None:
     if not stack:
         return None
     return _INDEX.sub(r".\1", list(stack.values())[-1][0].replace("L['self'].", ""))
+
+
+def layer_path(node: Node, params: dict[str, str]) -> str | None:
+    """The repeated layer a node runs in ("model.layers.3"), or None outside any."""
+    layer = layer_of(module_path(node, params) or "")
+    return f"{layer[0]}.{layer[1]}" if layer else None

@@ -30,7 +30,7 @@ from ..ir import AXIS, GLOBAL, KERNEL, ORIGIN, PLACEMENTS, GradKind, bytes_sent
 from ..kernels import collectives as C
 from ..kernels import registry
 from ..kernels.bucketed import bucket_all_gather, bucket_grad_all_reduce
-from ..modules import layer_of, module_path
+from ..modules import layer_path, module_path
 from .traffic import gather_bytes, local_numel, padded_numel, summed_itemsize
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
@@ -38,12 +38,9 @@ BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 
 def _scopes(captured: Captured) -> dict[str, str]:
     """Captured node name -> the repeated layer it runs in ("model.layers.3"), else its module path."""
-    out = {}
-    for node in captured.gm.graph.nodes:
-        path = module_path(node, captured.params) or ""
-        layer = layer_of(path)
-        out[node.name] = f"{layer[0]}.{layer[1]}" if layer else path
-    return out
+    params = captured.params
+    return {node.name: layer_path(node, params) or module_path(node, params) or ""
+            for node in captured.gm.graph.nodes}
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..capture import Captured
-from ..modules import layer_of, module_path
+from ..modules import layer_path
 from ..plan import Plan
 from ..ir import ORIGIN
 
@@ -61,10 +61,9 @@ def checkpoint_layers(gm: GraphModule, captured: Captured, plan: Plan) -> GraphM
         return gm
     layer_of_origin = {}
     for node in captured.gm.graph.nodes:
-        path = module_path(node, captured.params) if node.op == "call_function" else None
-        layer = layer_of(path) if path else None
-        if layer is not None and f"{layer[0]}.{layer[1]}" in policy_of:
-            layer_of_origin[node.name] = f"{layer[0]}.{layer[1]}"
+        layer = layer_path(node, captured.params) if node.op == "call_function" else None
+        if layer in policy_of:
+            layer_of_origin[node.name] = layer
     partition, runs, current = {}, [], None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
