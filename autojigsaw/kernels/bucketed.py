@@ -13,7 +13,7 @@ import torch
 from ..dtypes import reduce_dtype
 from ..ir import GradKind
 from ..mesh import MeshAxis
-from .collectives import c10d, pad_dim, raw_all_reduce, record, waited
+from .collectives import c10d, gather_chunk, pad_dim, raw_all_reduce, record, unpad_chunks, waited
 
 
 def _flat(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -29,20 +29,6 @@ def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
     return [piece.reshape(*flat.shape[:-1], *shape) for piece, shape in zip(out, shapes)]
 
 
-def _gather_chunk(x: torch.Tensor, dim: int, sizes) -> torch.Tensor:
-    """A member's send buffer, as raw_all_gather lays it out: padded, the gathered dim first."""
-    return pad_dim(x, dim, max(sizes)).movedim(dim, 0).contiguous()
-
-
-def _unpad(y: torch.Tensor, dim: int, sizes) -> torch.Tensor:
-    """Every rank's chunk (each padded to the largest, `y`'s dim 0 holds them) concatenated on `dim`."""
-    chunk = max(sizes)
-    y = y.flatten(0, 1).movedim(0, dim)
-    if all(s == chunk for s in sizes):
-        return y.contiguous()
-    return torch.cat([y.narrow(dim, i * chunk, s) for i, s in enumerate(sizes)], dim)
-
-
 def _scatter_piece(g: torch.Tensor, dim: int, sizes) -> torch.Tensor:
     """A member's gradient laid out for a reduce-scatter: one padded chunk per rank, on dim 0."""
     chunk = max(sizes)
@@ -55,12 +41,13 @@ class _BucketAllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dims, sizes, axis, grad, *xs):
         n = axis.size
-        chunks = [_gather_chunk(x, d, s) for x, d, s in zip(xs, dims, sizes)]
+        chunks = [gather_chunk(x, d, s) for x, d, s in zip(xs, dims, sizes)]
         flat = _flat(chunks)
         record("all_gather", axis, flat)
         y = waited("all_gather", axis, lambda: c10d.all_gather_into_tensor(flat, n, axis.group)).view(n, -1)
         ctx.args = (dims, sizes, axis, grad, [c.shape for c in chunks], [x.dtype for x in xs])
-        return tuple(_unpad(piece, d, s) for piece, d, s in zip(_split(y, [c.shape for c in chunks]), dims, sizes))
+        pieces = _split(y, [c.shape for c in chunks])
+        return tuple(unpad_chunks(piece.flatten(0, 1), d, s) for piece, d, s in zip(pieces, dims, sizes))
 
     @staticmethod
     def backward(ctx, *gs):

@@ -112,16 +112,25 @@ def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
-def raw_all_gather(x, dim, sizes, axis: MeshAxis):
-    n = len(sizes)
+def gather_chunk(x, dim, sizes):
+    """This rank's send buffer for an all-gather on `dim`: padded to the largest chunk, `dim` first."""
+    return pad_dim(x, dim, max(sizes)).movedim(dim, 0).contiguous()
+
+
+def unpad_chunks(y, dim, sizes):
+    """Every rank's padded chunk, concatenated on dim 0 as gathered, as the whole tensor on `dim`."""
     chunk = max(sizes)
-    x = pad_dim(x, dim, chunk).movedim(dim, 0).contiguous()
-    record("all_gather", axis, x)
-    y = waited("all_gather", axis, lambda: c10d.all_gather_into_tensor(x, n, axis.group))
-    y = y.movedim(0, dim)  # all chunks, each padded to `chunk`
+    y = y.movedim(0, dim)
     if all(s == chunk for s in sizes):
         return y.contiguous()
     return torch.cat([y.narrow(dim, i * chunk, s) for i, s in enumerate(sizes)], dim)
+
+
+def raw_all_gather(x, dim, sizes, axis: MeshAxis):
+    x = gather_chunk(x, dim, sizes)
+    record("all_gather", axis, x)
+    y = waited("all_gather", axis, lambda: c10d.all_gather_into_tensor(x, len(sizes), axis.group))
+    return unpad_chunks(y, dim, sizes)
 
 
 def _raw_reduce_scatter(x, dim, sizes, op, axis: MeshAxis):
