@@ -168,6 +168,22 @@ class MemoryModel:
             return 0.0
         return float(self.vectors[p.src_bytes][s] + self.vectors[p.dst_bytes][t])
 
+    def peak_candidates(self) -> np.ndarray:
+        """The points whose live items no other point's include: every plan's peak is at one of them
+        (items are never negative), the last point before an item ends with one begun since."""
+        last = self.n_points - 1  # (without training, outputs live past the last point)
+        begins, ends = np.zeros(self.n_points, dtype=bool), np.zeros(self.n_points, dtype=bool)
+        for items in (self.lin, self.maxes, self.pairs):
+            for item in items:
+                begins[min(item.start, last)] = ends[min(item.end, last)] = True
+        candidates, begun = [], False
+        for point in range(self.n_points):
+            begun |= begins[point]
+            if ends[point] and begun:
+                candidates.append(point)
+                begun = False
+        return np.array(candidates, dtype=np.int64)
+
     def own_bytes(self, n_strategies: list[int]) -> list[np.ndarray]:
         """Per node and strategy: the bytes of the node's own (linear) items, each counted once."""
         own = [np.zeros(k) for k in n_strategies]

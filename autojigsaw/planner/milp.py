@@ -9,8 +9,11 @@ binary x they are exact, and their LP relaxation is tight on tree-like graphs.
 
 Memory: the peak over the schedule must fit the budget. A constraint per program point
 would be thousands of dense rows, so they are added lazily: solve, evaluate the whole
-memory profile of the solution exactly, add the row of the worst point if it exceeds the
-budget, solve again. Every row is exact at its point -- a saved storage read by several
+memory profile of the solution exactly, add the rows of its worst points over the budget
+(only points no other point's live items include can be a peak), solve again. These rounds
+take the first plan a narrow branching finds; only a plan that fits is then proven optimal,
+as a proof costs far more than a round and a memory profile is flat across much of the
+backward (every new row found by a proof costs another proof). Every row is exact at its point -- a saved storage read by several
 nodes is a variable z >= each reader's bytes, a collective buffer that exists only when
 producer and consumer placements differ uses w[P] <= both sides' mass on placement P --
 so a violated point never comes back, and the loop ends at the constrained optimum.
@@ -37,6 +40,7 @@ from .problem import Problem
 
 _SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
 _FIRST_WINDOW = 3e-3  # reduced costs kept in the first branching, relative to the LP bound
+CUTS_PER_ROUND = 8  # memory rows added per plan that does not fit
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,9 @@ class _Model:
         self.lo.extend(np.broadcast_to(lo, (int(np.max(rows)) + 1 if len(rows) else 0,)))
         self.hi.extend(np.broadcast_to(hi, (int(np.max(rows)) + 1 if len(rows) else 0,)))
 
-    def solve(self, n_int: int, time_limit: float) -> np.ndarray | None:
-        """The optimum, from the LP relaxation when that is integral (it usually is), else by branching."""
+    def solve(self, n_int: int, time_limit: float, prove: bool = True) -> np.ndarray | None:
+        """The optimum, from the LP relaxation when that is integral (it usually is), else by branching;
+        with `prove` False, the first plan the narrowest window of columns holds (not proven optimal)."""
         deadline = time.perf_counter() + time_limit
         cost = np.concatenate(self.cost)
         matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
@@ -114,7 +119,7 @@ class _Model:
             best = self._branch(cost, matrix, lo, hi, upper, keep, n_int, deadline)
             if best is None and keep.all():
                 return None
-            if best is not None and (best[1] - bound <= window + slack or self.gap):
+            if best is not None and (not prove or best[1] - bound <= window + slack or self.gap):
                 if self.gap:  # stopped by the time limit: how far off it may be from the bound of the whole program
                     self.gap = max(self.gap, (best[1] - bound) / abs(best[1]))
                 return best[0]
@@ -314,8 +319,8 @@ class _Builder:
             self.w[key] = (w0, common)
         return self.w[key]
 
-    def run(self, time_limit: float):
-        return self.model.solve(int(self.offsets[-1]), time_limit)
+    def run(self, time_limit: float, prove: bool = True):
+        return self.model.solve(int(self.offsets[-1]), time_limit, prove)
 
     def group_choice(self, x: np.ndarray) -> np.ndarray:
         return np.array([int(np.argmax(x[self.offsets[g]:self.offsets[g + 1]])) for g in range(len(self.sizes))])
@@ -326,19 +331,23 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) 
     start = time.perf_counter()
     builder = _Builder(problem, budget)
     cuts: list[int] = []
-    if budget is not None:
-        for point in _seed_points(problem):
-            builder.add_memory_row(point)
-            cuts.append(point)
-    solves = 0
+    candidates = problem.memory.peak_candidates()
+    solves, prove = 0, budget is None
     while True:
-        x = builder.run(max(time_limit - (time.perf_counter() - start), 1.0))
+        # the memory rows a plan needs are found on quick plans; only the last solve proves optimality
+        x = builder.run(max(time_limit - (time.perf_counter() - start), 1.0), prove)
         solves += 1
         if x is None:
             return None
         choice = problem.expand(builder.group_choice(x))
-        peak, point = problem.memory.peak(choice)
-        if budget is None or peak <= budget * (1 + 1e-6):  # HiGHS' feasibility tolerance
+        profile = problem.memory.profile(choice)
+        point = int(np.argmax(profile))
+        peak = float(profile[point])
+        fits = budget is None or peak <= budget * (1 + 1e-6)  # HiGHS' feasibility tolerance
+        if fits and not prove:
+            prove = True
+            continue
+        if fits:
             if builder.model.gap:
                 warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
                               f"{builder.model.gap:.1%} of the optimum (a tight memory_budget makes the search "
@@ -346,18 +355,16 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) 
             return Solution(choice, problem.objective(choice), peak, point, tuple(cuts), solves,
                             time.perf_counter() - start, builder.model.gap)
         assert point not in cuts, f"the memory row of point {point} is not exact"
-        builder.add_memory_row(point)
-        cuts.append(point)
+        for point in _worst_points(profile, candidates, cuts, budget):
+            builder.add_memory_row(point)
+            cuts.append(point)
+        prove = False
 
 
-def _seed_points(problem: Problem) -> list[int]:
-    """Where the peak usually is: the worst point of the leanest choice, end of forward, the step."""
-    mem = problem.memory
-    own = mem.own_bytes([len(s) for s in problem.strategies])
-    reps = np.unique(problem.group, return_index=True)[1]
-    lean = problem.expand(np.array([int(np.argmin(own[r])) for r in reps]))
-    points = {mem.peak(lean)[1]}
-    if mem.training:
-        n = len(problem.names)
-        points |= {n, 2 * n}
-    return sorted(points)
+def _worst_points(profile: np.ndarray, candidates: np.ndarray, cuts: list[int], budget: float) -> list[int]:
+    """The peak and up to CUTS_PER_ROUND - 1 other over-budget peak candidates, worst first: a
+    plan's memory is flat across much of its backward, and every new row found costs a solve."""
+    worst = [int(np.argmax(profile))]
+    over = candidates[profile[candidates] > budget * (1 + 1e-6)]
+    worst += [int(q) for q in over[np.argsort(-profile[over], kind="stable")] if q not in cuts and q != worst[0]]
+    return worst[:CUTS_PER_ROUND]
