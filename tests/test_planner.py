@@ -180,3 +180,14 @@ def test_a_search_stopped_by_the_time_limit_keeps_a_plan_that_fits_and_says_its_
         solution = solve(problem, budget, time_limit=2.0)
     assert 0 < solution.gap < 1 and solution.peak_memory <= budget * (1 + 1e-6)
     assert problem.memory.peak(solution.choice)[0] == solution.peak_memory
+
+
+def test_placements_of_one_rank_axes_move_nothing_and_cost_no_memory():
+    """On a 1-rank axis Shard, Partial and Replicate are the same tensor: every choice of strategy has
+    the same memory profile. (A buffer between them was counted, so the 1-rank plan's memory -- the
+    tests' "replicated bytes" -- depended on which of the equally fast plans the solver returned.)"""
+    problem = _problem(MLP(16, 64), (torch.randn(8, 16),), {"tensor": 1})
+    rng = np.random.default_rng(0)
+    profiles = {tuple(problem.memory.profile(rng.integers(0, [len(s) for s in problem.strategies])))
+                for _ in range(20)}
+    assert len(profiles) == 1 and max(len(s) for s in problem.strategies) > 1

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
 from ..ir import Strategy, output_values, tensor_inputs
@@ -237,8 +237,15 @@ class _Vectors:
         among equally good plans, by whatever the process had planned before.)"""
         if placements not in self._ids:
             number = self._placement_ids
-            self._ids[placements] = np.array([number.setdefault(p, len(number)) for p in placements], dtype=np.int64)
+            self._ids[placements] = np.array([number.setdefault(self._moving(p), len(number)) for p in placements],
+                                             dtype=np.int64)
         return self._ids[placements]
+
+    def _moving(self, placements: tuple | None) -> tuple | None:
+        """The placements with those of 1-rank axes as Replicate: nothing moves between them."""
+        if placements is None:
+            return None
+        return tuple(Replicate() if n == 1 else p for p, n in zip(placements, self.sizes))
 
     def out_bytes(self, node: Node, strategies: list[Strategy]) -> np.ndarray:
         vals = output_values(node)

@@ -6,7 +6,7 @@ sharded or partial on the axis hands back "P"; one whose output stays replicated
 on its own output's kind; the model output seeds "R". A value takes "P" as soon as one
 reader returns "P": the sum is then formed once, where the value was made -- a gather
 becomes gather/reduce-scatter, a parameter gets one all-reduce (as DDP does; on an FSDP axis
-FSDP's reduce-scatter sums it instead) -- and
+FSDP's reduce-scatter sums it instead, and a full one is masked to rank 0 before that sum) -- and
 readers that return "R" are masked to rank 0. One exception, Megatron's: an op with replicated
 parameters (a norm) whose partial gradient would only be summed upstream by the all-reduces that
 made its input sums it at its own output, so its parameters need no all-reduce of their own.
@@ -61,6 +61,8 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str], *
                     summed_by_fsdp = fsdp_axis if node.name in params else None
                     _sum_gradient_at(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P
                                                    and a != summed_by_fsdp], rank)
+                    if summed_by_fsdp in axes and kinds[(node, idx, summed_by_fsdp)] == GradKind.R:
+                        _keep_rank_zero(graph, node, summed_by_fsdp, rank)
                 _settle_before_parameters(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P],
                                           kinds, grad, params, rank)
         if multi:
@@ -156,6 +158,14 @@ def _sum_gradient_at(graph: Graph, node: Node, axes: list[int], rank) -> None:
     last = _chain(graph, node, [(C.grad_all_reduce, a, {"axis": rank.axis(a)}) for a in axes])
     for u in users:
         u.replace_input_with(node, last)
+
+
+def _keep_rank_zero(graph: Graph, node: Node, a: int, rank) -> None:
+    """Mask a full gradient of `node` to rank 0 of axis a: FSDP sums every rank's over it."""
+    users = list(node.users)
+    masked = _chain(graph, node, [(C.grad_mask, a, {"axis": rank.axis(a)})])
+    for u in users:
+        u.replace_input_with(node, masked)
 
 
 def _chain(graph: Graph, node: Node, calls) -> Node:

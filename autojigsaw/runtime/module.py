@@ -141,7 +141,8 @@ class ParallelModule(nn.Module):
             if node.op != "placeholder":
                 continue
             if node.name in captured.params:
-                feeds.append(self._compute_copy(self._model.get_parameter(captured.params[node.name]).to_local()))
+                # through this module, whose parameters FSDP swaps for gathered ones around the forward
+                feeds.append(self._compute_copy(self.get_parameter(captured.params[node.name]).to_local()))
             elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
                 # The module's own buffer (made real from meta, or loaded) over export's copy of it.
                 buf = self._model.get_buffer(captured.buffers[node.name])
