@@ -3,10 +3,11 @@
 Its default experts (transformers' grouped_mm) are captured as torch._grouped_mm in bf16 and as
 transformers.grouped_mm_fallback in fp32 (transformers lets export trace _grouped_mm in bf16 only),
 both over the stacked weights [E, K, N]; strategies/rules/moe.py shards them by experts, columns
-or rows. The planner chooses under a memory budget; an edited plan runs the experts split over the
-ranks (expert parallelism). In both dtypes they train like the single-device model in the same
-dtype (eager transformers runs torch._grouped_mm, which has no fp64 CPU kernel): outputs, every
-gradient and every parameter after an SGD step, each relative to its own tensor's scale.
+or rows. The planner chooses under a memory budget; edited plans split the experts over the ranks
+(expert parallelism) or every expert's rows (its contraction). In both dtypes they train like the
+single-device model in the same dtype (eager transformers runs torch._grouped_mm, which has no fp64
+CPU kernel): outputs, every gradient and every parameter after an SGD step, each relative to its
+own tensor's scale.
 """
 
 import dataclasses
@@ -111,13 +112,20 @@ def test_planner_shards_the_expert_weights_and_trains_like_single_device(ranks2,
     check(run(ranks2, planned(dtype), dtype), dtype)
 
 
+EDITS = {  # strategies the planner does not pick on this model, forced on every grouped matmul
+    "experts": {"inputs": ((Replicate(),), (Shard(0),), (Replicate(),)), "outputs": ((Partial(),),),
+                "note": "tensor: experts"},
+    "rows": {"inputs": ((Shard(1),), (Shard(1),), (Replicate(),)), "outputs": ((Partial(),),),
+             "note": "tensor: rows"},
+}
+
+
 @DTYPES
-def test_experts_split_over_the_ranks_train_like_single_device(ranks2, dtype):
+@pytest.mark.parametrize("edit", EDITS)
+def test_experts_split_over_the_ranks_or_rows_train_like_single_device(ranks2, dtype, edit):
     plan = Plan.from_json(planned(dtype))
     grouped = grouped_nodes(plan, dtype)
-    experts = {"inputs": ((Replicate(),), (Shard(0),), (Replicate(),)), "outputs": ((Partial(),),),
-               "note": "tensor: experts"}
-    plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, **experts) if n in grouped else n
+    plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, **EDITS[edit]) if n in grouped else n
                                                  for n in plan.nodes))
     check(run(ranks2, plan.to_json(), dtype), dtype)
 
