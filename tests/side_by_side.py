@@ -62,19 +62,28 @@ def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7, *, data_pa
 
 def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *, steps: int = 3,
           dtype: torch.dtype = torch.float64, dropout: float = 0.0, clip: float | None = None,
-          fsdp: bool = False) -> dict:
-    """`steps` Adam steps of the parallel and the single-device model; the largest differences.
+          fsdp: bool = False, optimizer: str = "adam") -> dict:
+    """`steps` Adam (or SGD) steps of the parallel and the single-device model; the largest differences.
 
     `fsdp`: parallelize shards the weights over the mesh's "data" axis with FSDP2 (else DDP).
+    `optimizer="sgd"`: each tensor's learning rate is its largest entry over its largest gradient
+    entry (the single device's, before the step, the same in both models), so every tensor moves
+    by about its own scale and a parameter's error is its lr times its gradient's error plus rounding.
+    "tensors": per parameter name, its largest gradient and parameter differences, scales and lr.
     """
     ref, inputs = build(name, dtype=dtype, dropout=dropout)
     mesh = get_mesh(mesh_shape, axes)
     data_parallel = ("fsdp" if fsdp else "ddp") if "data" in axes else None
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), mesh, inputs, compile=False,
                                     plan=Plan.from_json(plan) if plan else None, data_parallel=data_parallel)
-    opt = torch.optim.Adam(pmodel.parameters(), lr=1e-2)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt_cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer]
+    opt = opt_cls([{"params": [p]} for p in pmodel.parameters()], lr=1e-2)
+    ref_opt = opt_cls([{"params": [q]} for q in ref.parameters()], lr=1e-2)
     diffs = {"output": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0, "scale": 0.0, "grad_scale": 0.0}
+    names = [name for name, _ in ref.named_parameters()]
+    tensors = {name: dict.fromkeys(("grad", "grad_scale", "param", "param_scale"), 0.0) for name in names}
+    for name, group in zip(names, ref_opt.param_groups):
+        tensors[name]["lr"] = group["lr"]
     for step in range(steps):
         torch.manual_seed(100 + step)  # the same dropout masks in both models
         out = pmodel(*inputs)
@@ -89,13 +98,22 @@ def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *,
             norm = torch.nn.utils.clip_grad_norm_(pmodel.parameters(), clip)
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             diffs["norm"] = max(diffs["norm"], abs(norm.full_tensor().item() - ref_norm.item()))
-        for p, q in zip(pmodel.parameters(), ref.parameters()):
-            diffs["grad"] = max(diffs["grad"], max_diff(p.grad.full_tensor(), q.grad))
-            diffs["grad_scale"] = max(diffs["grad_scale"], q.grad.abs().max().item())
+        for name, p, q in zip(names, pmodel.parameters(), ref.parameters()):
+            t = tensors[name]
+            t["grad"] = max(t["grad"], max_diff(p.grad.full_tensor(), q.grad))
+            t["grad_scale"] = max(t["grad_scale"], q.grad.abs().max().item())
+            diffs["grad"] = max(diffs["grad"], t["grad"])
+            diffs["grad_scale"] = max(diffs["grad_scale"], t["grad_scale"])
+        if optimizer == "sgd":
+            for name, group, ref_group, q in zip(names, opt.param_groups, ref_opt.param_groups, ref.parameters()):
+                g = q.grad.abs().max().item()
+                group["lr"] = ref_group["lr"] = tensors[name]["lr"] = q.abs().max().item() / g if g else 0.0
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    for p, q in zip(pmodel.parameters(), ref.parameters()):
-        diffs["param"] = max(diffs["param"], max_diff(p.full_tensor(), q))
+    for name, p, q in zip(names, pmodel.parameters(), ref.parameters()):
+        tensors[name].update(param=max_diff(p.full_tensor(), q), param_scale=q.abs().max().item())
+        diffs["param"] = max(diffs["param"], tensors[name]["param"])
+    diffs["tensors"] = tensors
     diffs["sharded"] = sum(any(not pl.is_replicate() for pl in p.placements) for p in pmodel.parameters())
     diffs["whole_over_first_axis"] = sum(p.placements[0].is_replicate() for p in pmodel.parameters())
     diffs["table"] = pmodel.plan.table() if dist.get_rank() == 0 else None

@@ -1,8 +1,10 @@
 """Rules for the grouped matmul of mixture-of-experts layers: experts over an axis, or each sharded.
 
-Hugging Face's default experts (`grouped_mm`) sort the routed rows X [S, K] by expert and call
-transformers' grouped_mm_fallback(X, W [E, K, N], offs [E]) (what export records in fp32/fp64):
-row i of the output is X[i] @ W[e] for the expert e whose range of offs holds i. Per mesh axis:
+Hugging Face's default experts (`grouped_mm`) sort the routed rows X [S, K] by expert and call a
+grouped matmul (X, W [E, K, N], offs [E]): torch._grouped_mm when weights are bf16 (what export
+records in bf16: transformers lets torch.compile/export trace it in no other dtype), else
+transformers' grouped_mm_fallback (fp32, fp16, fp64). Row i of the output is X[i] @ W[e] for the
+expert e whose range of offs holds i. Both get these strategies per mesh axis:
   replicated  X, W, offs Replicate                       -> Replicate
   experts     X Replicate, W Shard(0), offs Replicate    -> Partial: each rank computes the rows
               routed to its own experts and leaves the others zero, so the sum over ranks is
@@ -10,7 +12,9 @@ row i of the output is X[i] @ W[e] for the expert e whose range of offs holds i.
               output is reduced instead; priced at balanced routing, S / n rows per rank)
   columns     X Replicate, W Shard(2), offs Replicate    -> Shard(1)  (Megatron inside every expert)
   rows        X Shard(1), W Shard(1), offs Replicate     -> Partial
-The router (softmax, topk, sort, histc, index) has no rule here: it runs replicated.
+The router (softmax, topk, sort, histc, index) has no rule here: it runs replicated. Other
+forms of aten._grouped_mm (a bias, another out_dtype, 3-D x 3-D batches, 2-D x 2-D or 3-D x 2-D
+groups) run replicated too, marked in the plan table.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ...cost_model.compute import backward_factor, roofline_time
+from ...ir import Strategy
 from ...kernels import registry
 from ...placements import local_offset, local_shape
 from .base import AxisOption, per_axis, register
@@ -31,8 +36,27 @@ GROUPED_MM = "transformers.grouped_mm_fallback.default"
 KERNEL = "grouped_mm"
 
 
-@register(GROUPED_MM)
+def _unsupported_form(node) -> str | None:
+    """Why the rule below cannot shard this grouped matmul (None: it can): only X [S, K], W [E, K, N], offs."""
+    if node.target is not aten._grouped_mm.default:
+        return None
+    names = ("self", "mat2", "offs", "bias", "out_dtype")  # aten::_grouped_mm's schema
+    given = dict(zip(names, node.args)) | dict(node.kwargs)
+    x, w, offs, bias, out_dtype = (given.get(k) for k in names)
+    if (x.meta["val"].ndim, w.meta["val"].ndim) != (2, 3) or offs is None:
+        return f"{x.meta['val'].ndim}-D x {w.meta['val'].ndim}-D{'' if offs is not None else ' without offs'}"
+    if bias is not None:
+        return "a bias"
+    if node.meta["val"].dtype != x.meta["val"].dtype:
+        return f"out_dtype {out_dtype}"
+    return None
+
+
+@register(GROUPED_MM, aten._grouped_mm.default)
 def grouped_mm(node, mesh, candidates):
+    if (form := _unsupported_form(node)) is not None:
+        return [Strategy(((R,) * mesh.ndim,) * len(candidates), ((R,) * mesh.ndim,), fallback=True,
+                         note=f"no sharding rule for grouped_mm of {form}")]
     experts, k, n_out = node.args[1].meta["val"].shape
 
     def options(n):
@@ -56,13 +80,16 @@ def expert_rows_mm(op, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, 
     """`op` on the rows routed to experts first .. first + len(w) - 1 only; the other rows zero.
 
     The rows are rotated so that the local experts' rows come first (an index, not a data-dependent
-    slice: no host sync, compiles), the op computes those and leaves the rows past its last offset
-    zero, and the result is rotated back.
+    slice: no host sync, compiles), the op computes those, and the result is rotated back. Rows
+    past the op's last offset are masked to zero on the way in and out: torch._grouped_mm leaves
+    them, and their input gradient, uninitialized (transformers' fallback writes zeros).
     """
     rows = torch.arange(x.shape[0], device=x.device)
     start = offs[first - 1] if first else torch.zeros((), dtype=offs.dtype, device=offs.device)
-    out = op(x[(rows + start) % x.shape[0]], w, offs[first:first + w.shape[0]] - start)
-    return out[(rows - start) % x.shape[0]]
+    local_offs = offs[first:first + w.shape[0]] - start
+    routed = (rows < local_offs[-1]).unsqueeze(-1)
+    out = op(torch.where(routed, x[(rows + start) % x.shape[0]], 0), w, local_offs)
+    return torch.where(routed, out, 0)[(rows - start) % x.shape[0]]
 
 
 def _expert_dims(strategy, mesh_sizes) -> tuple[int, ...]:
@@ -88,8 +115,8 @@ def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     out_local = local_shape(out.shape, strategy.outputs[0], sizes, ctx.coord0)
     rotated = math.prod(x_local) + math.prod(out_local)
     moved = (rotated + math.prod(w_local)) * x.dtype.itemsize
-    if _expert_dims(strategy, sizes):  # the two row rotations read and write X and the output again
-        moved += 2 * rotated * x.dtype.itemsize
+    if _expert_dims(strategy, sizes):  # two row rotations and two masks read and write X and the output again
+        moved += 4 * rotated * x.dtype.itemsize
     t = float(roofline_time(2 * rows * w_local[1] * w_local[2], moved, x.dtype, ctx.device, "matmul"))
     if ctx.training and grad:
         t *= 1 + backward_factor(aten.mm.default)
