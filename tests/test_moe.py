@@ -90,7 +90,7 @@ def test_experts_split_over_the_ranks_train_like_single_device(ranks2, planned):
     plan = Plan.from_json(planned)
     grouped = grouped_nodes(plan)
     experts = {"inputs": ((Replicate(),), (Shard(0),), (Replicate(),)), "outputs": ((Partial(),),),
-               "note": "tensor: experts"}
+               "kernel": "grouped_mm", "note": "tensor: experts"}
     plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, **experts) if n in grouped else n
                                                  for n in plan.nodes))
     check(ranks2.run(train, "mixtral", tuple(MESH.values()), tuple(MESH), plan.to_json(), steps=STEPS,
