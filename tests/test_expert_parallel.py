@@ -150,6 +150,67 @@ def test_predicted_traffic_is_what_the_kernel_sends_at_balanced_routing(ranks2):
         assert sum(b for _, _, b in calls) == plan.comm_bytes, (calls, plan.table(every_node=True))
 
 
+class ExpertsHead(torch.nn.Module):
+    """Experts, then a linear that the plan splits by output columns: the experts' output gets a
+    partial gradient ("P"), so the kernel sums its range of it and leaves X's a contribution."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = Experts()
+        self.head = torch.nn.Linear(N, 8, dtype=torch.float64)
+
+    def forward(self, x, offs):
+        return self.head(self.experts(x, offs))
+
+
+def _head_inputs():
+    torch.manual_seed(0)
+    return ExpertsHead(), _experts_inputs()[1]
+
+
+def with_column_head(plan: Plan) -> Plan:
+    """`plan` with the head's weight and bias split by output columns, its output Shard(1)."""
+    split = dict(inputs=((Replicate(),), (Shard(0),), (Shard(0),)), outputs=((Shard(1),),), kernel="local", note="")
+    nodes = [dataclasses.replace(n, **split) if n.name == "linear_1" else
+             dataclasses.replace(n, outputs=((Shard(0),),)) if n.name in ("p_head_weight", "p_head_bias") else n
+             for n in plan.nodes]
+    params = {**plan.param_placements, "head.weight": (Shard(0),), "head.bias": (Shard(0),)}
+    return dataclasses.replace(plan, nodes=tuple(nodes), param_placements=params)
+
+
+def _train_head(plan_json):
+    """One Adam step of ExpertsHead, parallel and single-device, in fp64: (largest differences / scale, collectives)."""
+    ref, inputs = _head_inputs()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False,
+                                    plan=Plan.from_json(plan_json))
+    opt, ref_opt = torch.optim.Adam(pmodel.parameters(), lr=LR), torch.optim.Adam(ref.parameters(), lr=LR)
+    with C.count_comm() as log:
+        out = pmodel(*inputs)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        out.square().sum().backward()
+    ref_out = ref(*inputs)
+    ref_out.square().sum().backward()
+    pairs = list(zip(pmodel.parameters(), ref.parameters()))
+    errors = {"output": max_diff(out, ref_out) / ref_out.abs().max().item(),
+              "grad": max(max_diff(p.grad.full_tensor(), q.grad) / q.grad.abs().max().item() for p, q in pairs)}
+    opt.step(), ref_opt.step()
+    errors["param"] = max(max_diff(p.full_tensor(), q) for p, q in pairs)
+    return errors, log.calls
+
+
+def test_a_partial_output_gradient_is_summed_over_the_ranges_and_trains_like_single_device(ranks2):
+    model, inputs = _head_inputs()
+    plan = with_column_head(with_experts_gathered(autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu")))
+    plan = autojigsaw.evaluate(plan, model, inputs, device="cpu")
+    for errors, calls in ranks2.run(_train_head, plan.to_json()):
+        print({k: f"{v / torch.finfo(torch.float64).eps:.1f} eps" for k, v in errors.items()})
+        assert errors["output"] <= FP64_TOL and errors["grad"] <= FP64_TOL, errors
+        assert errors["param"] <= FP64_TOL + LR * FP64_TOL / ADAM_EPS, errors  # Adam's step amplifies rounding
+        # backward: the other rank's 6 rows of the output's gradient, not X's gather
+        assert ("send_recv", "tensor", 6 * N * 8) in calls and ("all_gather", "tensor", 6 * K * 8) not in calls, calls
+        assert sum(b for _, _, b in calls) == plan.comm_bytes, (calls, plan.table(every_node=True))
+
+
 def _mixtral(hidden, intermediate, experts, tokens):
     cfg = tf.MixtralConfig(num_hidden_layers=1, hidden_size=hidden, intermediate_size=intermediate,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -227,4 +288,7 @@ def test_mixtral_with_its_experts_split_and_gathered_trains_like_single_device(r
     assert len(grouped_nodes(plan)) == 4, plan.table(every_node=True)
     results = ranks2.run(_train_mixtral, plan.to_json())
     assert len(results[0]["sharded"]) == 4, results[0]["sharded"]  # gate_up_proj and down_proj of both layers
+    eps = torch.finfo(torch.float32).eps
+    print(*(f"rank {r}: output {d['output'] / max(d['scale'], 1) / eps:.1f} eps, grad {d['grad'] / d['grad_scale'] / eps:.1f} "
+            f"eps (of the largest), param {d['param']:.2e}" for r, d in enumerate(results)), sep="\n")
     check(results)
