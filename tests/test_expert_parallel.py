@@ -72,20 +72,32 @@ def _kernel_case(counts, experts, extra, kind):
     return errors, log.calls
 
 
+def _check_kernel(results, counts, experts, kind):
+    n = len(experts)
+    bounds = [sum(experts[:r]) for r in range(n + 1)]
+    lengths = [sum(counts[bounds[r]:bounds[r + 1]]) for r in range(n)]
+    for r, (errors, calls) in enumerate(results):
+        assert max(errors) <= FP64_TOL, (r, errors)
+        own, total = lengths[r], sum(lengths)
+        want = [("all_gather", "experts", bytes_sent("all_gather", own * N * 8, n))]
+        if kind == "R":  # backward: X's gradient gathered from the ranks' ranges
+            want.append(("all_gather", "experts", bytes_sent("all_gather", own * K * 8, n)))
+        else:  # backward: the other ranks' ranges of the output gradient sent to them
+            want.append(("send_recv", "experts", (total - own) * N * 8))
+        assert calls == want, (r, calls)
+
+
 @pytest.mark.parametrize("kind", ["R", "P"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_the_grouped_matmul_and_sends_its_rows(ranks2, case, kind):
     counts, experts, extra = CASES[case]
-    lengths = [sum(counts[:experts[0]]), sum(counts[experts[0]:])]
-    for r, (errors, calls) in enumerate(ranks2.run(_kernel_case, counts, experts, extra, kind)):
-        assert max(errors) <= FP64_TOL, (r, errors)
-        own, total = lengths[r], sum(lengths)
-        want = [("all_gather", "experts", bytes_sent("all_gather", own * N * 8, 2))]
-        if kind == "R":  # backward: X's gradient gathered from the ranks' ranges
-            want.append(("all_gather", "experts", bytes_sent("all_gather", own * K * 8, 2)))
-        else:  # backward: the other rank's range of the output gradient sent to it
-            want.append(("send_recv", "experts", (total - own) * N * 8))
-        assert calls == want, (r, calls)
+    _check_kernel(ranks2.run(_kernel_case, counts, experts, extra, kind), counts, experts, kind)
+
+
+@pytest.mark.parametrize("kind", ["R", "P"])
+def test_kernel_on_four_ranks_one_without_rows(ranks4, kind):
+    counts, experts = [3, 0, 4, 1, 2, 5, 1], (2, 2, 2, 1)  # rank 1's two experts get no rows
+    _check_kernel(ranks4.run(_kernel_case, counts, experts, 1, kind), counts, experts, kind)
 
 
 # ---------------------------------------------------------------- in a plan: traffic, choice, training

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from ...cost_model.compute import backward_factor, roofline_time
+from ...dtypes import reduce_dtype
 from ...ir import GLOBAL, PLACEMENTS, GradKind, bytes_sent
 from ...kernels import registry
 from ...kernels.experts import expert_gather_mm
@@ -80,7 +81,7 @@ def _traffic(node, rank, backward) -> list[tuple[str, int]]:
     if kw["grad"] == GradKind.R and x in backward:
         out.append(("all_gather", bytes_sent("all_gather", rows * k * itemsize, n)))
     elif kw["grad"] == GradKind.P and (x in backward or w in backward):
-        out.append(("send_recv", (total - rows) * n_out * itemsize))
+        out.append(("send_recv", (total - rows) * n_out * reduce_dtype(val.dtype, "sum").itemsize))
     return out
 
 
