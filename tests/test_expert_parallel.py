@@ -28,6 +28,7 @@ from autojigsaw.testing.local_ranks import get_mesh
 
 from .side_by_side import build, loss_of, max_diff
 
+R = Replicate()
 FP64_TOL = 8 * torch.finfo(torch.float64).eps  # relative to the largest value
 FP32_TOL = 40 * torch.finfo(torch.float32).eps  # relative to the largest value
 MESH = {"tensor": 2}
@@ -190,11 +191,12 @@ def with_column_head(plan: Plan) -> Plan:
     return dataclasses.replace(plan, nodes=tuple(nodes), param_placements=params)
 
 
-def _train_head(plan_json):
-    """One Adam step of ExpertsHead, parallel and single-device, in fp64: (largest differences / scale, collectives)."""
-    ref, inputs = _head_inputs()
-    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False,
-                                    plan=Plan.from_json(plan_json))
+def _train_head(plan_json, model="head", mesh=(("tensor", 2),)):
+    """One Adam step of ExpertsHead (or Experts), parallel and single-device, in fp64: (largest
+    differences / scale, collectives)."""
+    ref, inputs = _head_inputs() if model == "head" else _experts_inputs()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh(tuple(n for _, n in mesh), tuple(a for a, _ in mesh)),
+                                    inputs, compile=False, plan=Plan.from_json(plan_json))
     opt, ref_opt = torch.optim.Adam(pmodel.parameters(), lr=LR), torch.optim.Adam(ref.parameters(), lr=LR)
     with C.count_comm() as log:
         out = pmodel(*inputs)
@@ -221,6 +223,26 @@ def test_a_partial_output_gradient_is_summed_over_the_ranges_and_trains_like_sin
         # backward: the other rank's 6 rows of the output's gradient, not X's gather
         assert ("send_recv", "tensor", 6 * N * 8) in calls and ("all_gather", "tensor", 6 * K * 8) not in calls, calls
         assert sum(b for _, _, b in calls) == plan.comm_bytes, (calls, plan.table(every_node=True))
+
+
+def test_experts_gathered_on_one_axis_and_split_by_columns_on_another(ranks4):
+    """2 x 2 ranks: experts over "x", each expert's 5 output columns over "tensor" (3 and 2)."""
+    model, inputs = _experts_inputs()
+    mesh = {"x": 2, "tensor": 2}
+    plan = autojigsaw.plan(model, inputs, mesh, device="cpu")
+    split = dict(inputs=((R, R), (Shard(0), Shard(2)), (R, R)), outputs=((R, Shard(1)),), kernel=KERNEL,
+                 note="x: experts gathered; tensor: columns")
+    nodes = tuple(dataclasses.replace(n, **split) if n in grouped_nodes(plan) else
+                  dataclasses.replace(n, outputs=((Shard(0), Shard(2)),)) if n.name == "p_w" else n for n in plan.nodes)
+    plan = dataclasses.replace(plan, nodes=nodes, param_placements={**plan.param_placements, "w": (Shard(0), Shard(2))})
+    plan = autojigsaw.evaluate(plan, model, inputs, device="cpu")
+    results = ranks4.run(_train_head, plan.to_json(), "experts", tuple(mesh.items()))
+    for errors, _ in results:
+        assert errors["output"] <= FP64_TOL and errors["grad"] <= FP64_TOL, errors
+        assert errors["param"] <= FP64_TOL + LR * FP64_TOL / ADAM_EPS, errors
+    calls = results[0][1]  # rank (0, 0): 6 rows of 3 columns, X's gradient (6 rows, all 6 columns)
+    assert ("all_gather", "x", 6 * 3 * 8) in calls and ("all_gather", "x", 6 * K * 8) in calls, calls
+    assert sum(b for _, _, b in calls) == plan.comm_bytes, (calls, plan.table(every_node=True))
 
 
 def _mixtral(hidden, intermediate, experts, tokens):
