@@ -13,7 +13,8 @@ output gradient on every rank ("R"), a rank's expert weights need only its own r
 communication), and X's gradient is made full by all-gathering each rank's range of it (the
 rows a rank owns are the only ones its experts reach); with a contribution ("P"), the ranges of
 the output gradient are first summed over the ranks (each rank receives its range from the others)
-and X's gradient is left a contribution, zero outside the rank's range.
+and X's gradient is left a contribution, zero outside the rank's range. Forward and backward are
+custom ops of static output shapes (the ranges are read inside), so torch.compile traces one call.
 """
 
 from __future__ import annotations
@@ -78,49 +79,80 @@ def _sum_own_range(g: torch.Tensor, ranges, axis: MeshAxis) -> torch.Tensor:
     return own.to(dtype)
 
 
-class _SliceRows(torch.autograd.Function):
-    """A Replicate X -> this rank's range of rows; backward: the gradient of X by `grad`."""
-
-    @staticmethod
-    def forward(ctx, x, ranges, axis, grad):
-        ctx.args = (ranges, axis, grad, x.shape[0])
-        start, stop = ranges[axis.coord]
-        return x[start:stop].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        ranges, axis, grad, total = ctx.args
-        if grad == GradKind.R:
-            return _gather_rows(g.contiguous(), ranges, total, axis), None, None, None
-        gx = g.new_zeros((total, *g.shape[1:]))
-        start, stop = ranges[axis.coord]
-        gx[start:stop] = g
-        return gx, None, None, None
+def _resolve(op: str):
+    """The OpOverload named `op` ("transformers.grouped_mm_fallback.default")."""
+    namespace, name, overload = op.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
-class _GatherRows(torch.autograd.Function):
-    """This rank's rows -> the Replicate output; backward: this rank's range of its (summed) gradient."""
+def _local(offs, experts, axis: MeshAxis):
+    """(every rank's row range, this rank's range, its experts' offsets within it)."""
+    ranges = row_ranges(offs, experts)
+    first = sum(experts[:axis.coord])
+    start, stop = ranges[axis.coord]
+    return ranges, (start, stop), offs[first:first + experts[axis.coord]] - start
 
-    @staticmethod
-    def forward(ctx, y, ranges, total, axis, grad):
-        ctx.args = (ranges, axis, grad)
-        return _gather_rows(y, ranges, total, axis)
 
-    @staticmethod
-    def backward(ctx, g):
-        ranges, axis, grad = ctx.args
-        if grad == GradKind.R:
-            start, stop = ranges[axis.coord]
-            return g[start:stop], None, None, None, None
-        return _sum_own_range(g, ranges, axis), None, None, None, None
+# Custom ops: their outputs have static shapes while the row ranges inside are read from offs, so
+# torch.compile (fullgraph) sees one opaque call instead of a data-dependent one.
+@torch.library.custom_op("autojigsaw::expert_gather_mm", mutates_args=())
+def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, op: str, experts: list[int],
+             name: str, size: int, group: str | None, coord: int, grad: str) -> torch.Tensor:
+    axis = MeshAxis(name, size, group, coord)
+    ranges, (start, stop), local_offs = _local(offs, experts, axis)
+    return _gather_rows(_resolve(op)(x[start:stop], w, local_offs), ranges, x.shape[0], axis)
+
+
+@_forward.register_fake
+def _(x, w, offs, op, experts, name, size, group, coord, grad):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("autojigsaw::expert_gather_mm_backward", mutates_args=())
+def _backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, op: str, experts: list[int],
+              name: str, size: int, group: str | None, coord: int, grad: str) -> tuple[torch.Tensor, torch.Tensor]:
+    axis = MeshAxis(name, size, group, coord)
+    ranges, (start, stop), local_offs = _local(offs, experts, axis)
+    g_own = g[start:stop] if grad == GradKind.R else _sum_own_range(g, ranges, axis)
+    x_own = x[start:stop]
+    dx_own = _resolve(op)(g_own, w.transpose(1, 2), local_offs)  # the same grouped matmul, transposed experts
+    dw = torch.zeros_like(w)
+    bounds = [0, *local_offs.tolist()]
+    for e in range(w.shape[0]):
+        torch.mm(x_own[bounds[e]:bounds[e + 1]].t(), g_own[bounds[e]:bounds[e + 1]], out=dw[e])
+    if grad == GradKind.R:
+        return _gather_rows(dx_own.contiguous(), ranges, x.shape[0], axis), dw
+    dx = torch.zeros_like(x)
+    dx[start:stop] = dx_own
+    return dx, dw
+
+
+@_backward.register_fake
+def _(g, x, w, offs, op, experts, name, size, group, coord, grad):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _save(ctx, inputs, output):
+    x, w, offs, *args = inputs
+    ctx.save_for_backward(x, w, offs)
+    ctx.args = args
+
+
+def _grad(ctx, g):
+    x, w, offs = ctx.saved_tensors
+    dx, dw = _backward(g.contiguous(), x, w, offs, *ctx.args)
+    return dx, dw, *[None] * (2 + len(ctx.args))
+
+
+_forward.register_autograd(_grad, setup_context=_save)
 
 
 def expert_gather_mm(op, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, experts: tuple[int, ...],
                      axis: MeshAxis, grad: GradKind = GradKind.R) -> torch.Tensor:
     """op(x, all experts' w, offs), Replicate, from this rank's experts `w` (rank q holds experts[q]).
 
-    `op` is the grouped matmul (X [S, K], W [E, K, N], offs [E]); x and offs are the whole
-    (replicated) ones, w the rank's contiguous block of experts.
+    `op` is the grouped matmul (X [S, K], W [E, K, N], offs [E]), an OpOverload; x and offs are
+    the whole (replicated) ones, w the rank's contiguous block of experts.
     """
     if len(experts) != axis.size or experts[axis.coord] != w.shape[0] or sum(experts) != offs.shape[0]:
         raise ValueError(
@@ -129,8 +161,4 @@ def expert_gather_mm(op, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *
             f"to offs' {offs.shape[0]}; pass chunk_sizes(num_experts, {axis.size})")
     if grad not in tuple(GradKind):
         raise ValueError(f"expert_gather_mm: grad={grad!r} on axis {axis.name!r}; use 'R' or 'P'")
-    ranges = row_ranges(offs, experts)
-    first = sum(experts[:axis.coord])
-    start = ranges[axis.coord][0]
-    local = op(_SliceRows.apply(x, ranges, axis, grad), w, offs[first:first + w.shape[0]] - start)
-    return _GatherRows.apply(local, ranges, x.shape[0], axis, grad)
+    return _forward(x, w, offs, str(op), list(experts), axis.name, axis.size, axis.group, axis.coord, str(grad))
