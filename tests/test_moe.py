@@ -114,9 +114,9 @@ def test_planner_shards_the_expert_weights_and_trains_like_single_device(ranks2,
 
 EDITS = {  # strategies the planner does not pick on this model, forced on every grouped matmul
     "experts": {"inputs": ((Replicate(),), (Shard(0),), (Replicate(),)), "outputs": ((Partial(),),),
-                "note": "tensor: experts"},
+                "kernel": "grouped_mm", "note": "tensor: experts"},
     "rows": {"inputs": ((Shard(1),), (Shard(1),), (Replicate(),)), "outputs": ((Partial(),),),
-             "note": "tensor: rows"},
+             "kernel": "grouped_mm", "note": "tensor: rows"},
 }
 
 

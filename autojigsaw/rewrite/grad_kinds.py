@@ -23,6 +23,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..ir import AXIS, GLOBAL, ORIGIN, PLACEMENTS, GradKind, needs_grad
 from ..kernels import collectives as C
+from ..kernels.experts import expert_gather_mm
 
 aten = torch.ops.aten
 
@@ -31,6 +32,8 @@ aten = torch.ops.aten
 _EITHER = {C.shard_slice, C.to_partial}
 # Collectives that make a Replicate value on their axis: their backward follows its kind.
 _MAKERS = {C.all_gather, C.all_reduce}
+# Kernels whose Replicate output on their `axis` is gathered inside: their backward follows its kind too.
+_GATHERING_KERNELS = {expert_gather_mm}
 COLLECTIVES = {C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.shard_slice,
                C.to_partial, C.grad_all_reduce, C.grad_mask}
 
@@ -141,6 +144,8 @@ def _agree(graph: Graph, node: Node, decided: dict, rank) -> None:
             elif c == GradKind.R and kind == GradKind.P:
                 masks.setdefault(u, []).append(a)
         if node.op == "call_function" and node.target in _MAKERS and node.meta.get(AXIS) == a:
+            node.update_kwarg("grad", kind)
+        elif node.op == "call_function" and node.target in _GATHERING_KERNELS and node.kwargs["axis"] == rank.axis(a):
             node.update_kwarg("grad", kind)
     shared: dict[tuple[int, ...], Node] = {}
     for u, axes in masks.items():

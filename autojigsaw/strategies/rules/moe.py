@@ -10,6 +10,8 @@ expert e whose range of offs holds i. Both get these strategies per mesh axis:
               routed to its own experts and leaves the others zero, so the sum over ranks is
               the output (expert parallelism without all-to-all: tokens stay replicated and the
               output is reduced instead; priced at balanced routing, S / n rows per rank)
+  experts gathered  as experts, but the output Replicate: the rows of the rank's experts are
+              all-gathered (rules/expert_gather.py, half the bytes of the Partial's all-reduce)
   columns     X Replicate, W Shard(2), offs Replicate    -> Shard(1)  (Megatron inside every expert)
   rows        X Shard(1), W Shard(1), offs Replicate     -> Partial
 The router (softmax, topk, sort, histc, index) has no rule here: it runs replicated. Other
@@ -29,6 +31,7 @@ from ...ir import Strategy
 from ...kernels import registry
 from ...placements import local_offset, local_shape
 from .base import AxisOption, per_axis, register
+from .expert_gather import gathered_options, keep
 
 aten = torch.ops.aten
 R = Replicate()
@@ -69,11 +72,12 @@ def grouped_mm(node, mesh, candidates):
             opts.append(AxisOption((R, Shard(2), R), (Shard(1),), kernel=KERNEL, note="columns"))
         if k >= n:
             opts.append(AxisOption((Shard(1), Shard(1), R), (Partial(),), kernel=KERNEL, note="rows"))
-        return opts
+        return opts + gathered_options(n, experts, n_out)
 
     # experts split over several axes: every rank keeps at least one
     return [s for s in per_axis(mesh, options)
-            if math.prod(n for n, p in zip(mesh.sizes, s.inputs[1]) if p == Shard(0)) <= experts]
+            if math.prod(n for n, p in zip(mesh.sizes, s.inputs[1]) if p == Shard(0)) <= experts
+            and keep(s, mesh.sizes)]
 
 
 def expert_rows_mm(op, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, first: int) -> torch.Tensor:
