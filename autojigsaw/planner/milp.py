@@ -71,6 +71,7 @@ class _Model:
         self.lo: list[float] = []
         self.hi: list[float] = []
         self.gap = 0.0
+        self.proven = False  # the last solve's plan is optimal (the LP relaxation was integral, or branching proved it)
 
     def add_vars(self, cost: np.ndarray, upper: float = 1.0, zero_one: bool = False) -> int:
         first = self.n
@@ -92,6 +93,7 @@ class _Model:
         """The optimum, from the LP relaxation when that is integral (it usually is), else by branching;
         with `prove` False, the first plan the narrowest window of columns holds (not proven optimal)."""
         deadline = time.perf_counter() + time_limit
+        self.proven = False
         cost = np.concatenate(self.cost)
         matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
                             shape=(len(self.lo), self.n)).tocsc()
@@ -103,10 +105,12 @@ class _Model:
             if relaxed.x is None:
                 return None  # infeasible even fractionally
             if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
+                self.proven = True
                 return relaxed.x
             lp = _lp(cost, matrix, lo, hi, upper, deadline)  # again, for the duals scipy's milp does not return
         if lp is None:  # the deadline came first: branch on the whole program for what time is left
             best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), n_int, deadline)
+            self.proven = best is not None and not self.gap
             return None if best is None else best[0]
         bound, duals = lp
         reduced = cost - matrix.T @ duals
@@ -119,7 +123,8 @@ class _Model:
             best = self._branch(cost, matrix, lo, hi, upper, keep, n_int, deadline)
             if best is None and keep.all():
                 return None
-            if best is not None and (not prove or best[1] - bound <= window + slack or self.gap):
+            self.proven = best is not None and best[1] - bound <= window + slack
+            if best is not None and (not prove or self.proven or self.gap):
                 if self.gap:  # stopped by the time limit: how far off it may be from the bound of the whole program
                     self.gap = max(self.gap, (best[1] - bound) / abs(best[1]))
                 return best[0]
@@ -344,7 +349,7 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) 
         point = int(np.argmax(profile))
         peak = float(profile[point])
         fits = budget is None or peak <= budget * (1 + 1e-6)  # HiGHS' feasibility tolerance
-        if fits and not prove:
+        if fits and not prove and not builder.model.proven:
             prove = True
             continue
         if fits:
