@@ -81,6 +81,23 @@ def test_what_ops_save_for_backward():
     assert saved_for_backward(nodes[aten.mm.default]).inputs == {0, 1}
     assert saved_for_backward(nodes[aten.gelu.default]).inputs == {0}
     assert saved_for_backward(nodes[aten._softmax.default]).outputs == {0}
+    # a memory format reaches the probe as itself (a string of it made the probe fail: "keeps all")
+    expanded = make_fx(lambda x: x.expand(2, 4, 8).clone(memory_format=torch.contiguous_format),
+                       tracing_mode="fake")(torch.randn(1, 4, 8))
+    clone = next(n for n in expanded.graph.nodes if n.target is aten.clone.default)
+    assert saved_for_backward(clone).inputs == set()
+
+
+def test_attention_saves_its_mask_a_boolean_one_as_a_float_copy():
+    graph = torch.fx.Graph()
+    q, k, v, mask = (graph.placeholder(name) for name in ("q", "k", "v", "mask"))
+    for x in (q, k, v):
+        x.meta["val"] = torch.empty(2, 4, 16, 8, device="meta")
+    sdpa = graph.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v, mask))
+    mask.meta["val"] = torch.empty(2, 1, 16, 16, dtype=torch.bool, device="meta")
+    assert saved_for_backward(sdpa).inputs == {0, 1, 2} and saved_for_backward(sdpa).converted == {3}
+    mask.meta["val"] = torch.empty(2, 1, 16, 16, device="meta")
+    assert saved_for_backward(sdpa).inputs == {0, 1, 2, 3} and not saved_for_backward(sdpa).converted
 
 
 def test_explain_prints_formulas_in_model_sizes():

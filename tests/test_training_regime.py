@@ -155,10 +155,12 @@ def _recompute_run(plan_json: str) -> dict:
 
 
 def test_recomputed_layers_give_the_same_gradients_and_free_the_predicted_memory(ranks2):
-    # Priced on 100 us links, the plan this was measured on. On the "cpu" spec's 0.5 ms rounds
-    # the plan keeps more whole, and selective's measured drop is 256 KiB (one [8, 64, 128] fp32
-    # MLP activation) above the predicted: 15.0 %, a known gap.
-    base = _plan("none", device=device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9)))
+    # On the "cpu" spec the plan keeps the layers whole, so the peak under "selective" falls in a
+    # recomputed layer's backward: the model must know what torch's selective checkpoint keeps
+    # there (the cached matmul outputs, the float copy of the boolean attention mask). Measured
+    # drops were 5 % (selective) and 1 % (full) off the predicted; on 100 us links, which shard
+    # the layers, 1 % and 4 %.
+    base = _plan("none")
     measured, predicted = {}, {}
     for policy in ("none", "selective", "full"):
         plan = _recomputed(base, policy)

@@ -122,6 +122,9 @@ class MemoryModel:
     # Activations no reader saves, from their producer to their last reader: index into lin -> node
     # (what a selective policy's cache holds until the layer's backward).
     unsaved_lin: dict[int, int] = field(default_factory=dict)
+    # Copies an op makes of an input and saves (a boolean mask made float), by the node: index into
+    # lin -> node (what a selective policy recomputes even where it keeps the node's outputs).
+    remade_lin: dict[int, int] = field(default_factory=dict)
     _ids: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -322,6 +325,11 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             val = output_values(src)[o]
             in_b = vec.in_bytes(val, strategies[k], j)
             keeps = j in saved.inputs or is_output
+            if j in saved.converted:  # saved as a copy in the output's dtype, made by the op
+                widen = output_values(node)[0].dtype.itemsize / val.dtype.itemsize
+                copy = np.where(np.isnan(kernel_saved[k]), in_b, 0.0) if k in kernel_saved else in_b
+                model.kept_lin[len(model.lin)] = model.remade_lin[len(model.lin)] = k
+                model.lin.append(LinearItem(k, model.vector(copy), fwd(k), bwd(k), widen))
             if keeps and nodes[r].name not in persistent:
                 # kernels that price themselves say what they save (kernel_saved), instead of this
                 kept = np.where(np.isnan(kernel_saved[k]), in_b, 0.0) if k in kernel_saved else in_b

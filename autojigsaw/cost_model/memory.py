@@ -4,7 +4,8 @@ What an op saves for backward is asked of autograd itself: the op runs once on m
 under `saved_tensors_hooks`, and every saved tensor is classified as (a view of) one of its
 inputs or outputs, or as extra (statistics, masks). Attention is the exception: on meta it
 runs the math path, which saves the whole score matrix; real devices run flash kernels that
-save q, k, v, the output and a log-sum-exp row (CPU included).
+save q, k, v, the output and a log-sum-exp row (CPU included), and the mask: a float one as
+given, a boolean one as the float copy the op makes of it.
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def is_view(node: Node) -> bool:
 class Saved:
     """What one op keeps from forward to backward: inputs and outputs by index, and extra bytes.
 
-    `extra` is the bytes of other saved tensors per byte of the first output.
+    `extra` is the bytes of other saved tensors per byte of the first output; `converted`: inputs
+    the op saves a copy of, made inside it in the first output's dtype (a boolean attention mask).
     """
 
     inputs: frozenset[int] = frozenset()
     outputs: frozenset[int] = frozenset()
     extra: float = 0.0
+    converted: frozenset[int] = frozenset()
 
 
 def saved_for_backward(node: Node, needs_grad: Callable[[Node], bool] = lambda arg: True) -> Saved:
@@ -91,8 +94,25 @@ def saved_for_backward(node: Node, needs_grad: Callable[[Node], bool] = lambda a
         return Saved()
     if node.target in ATTENTION:
         q = node.args[0].meta["val"]
-        return Saved(frozenset({0, 1, 2}), frozenset({0}), extra=4 / (q.shape[-1] * q.dtype.itemsize))
+        lse = 4 / (q.shape[-1] * q.dtype.itemsize)
+        mask = _attention_mask(node)
+        if mask is None:
+            return Saved(frozenset({0, 1, 2}), frozenset({0}), extra=lse)
+        if mask.dtype == torch.bool:
+            return Saved(frozenset({0, 1, 2}), frozenset({0}), extra=lse, converted=frozenset({3}))
+        return Saved(frozenset({0, 1, 2, 3}), frozenset({0}), extra=lse)
     return _probe(node.target, _signature(node.args, needs_grad), _signature(node.kwargs, needs_grad))
+
+
+def _attention_mask(node: Node) -> torch.Tensor | None:
+    """The mask (or bias) tensor an attention node takes (its fourth tensor input), if any."""
+    schema = node.target._schema
+    for k, arg in enumerate(schema.arguments):
+        if arg.name in ("attn_mask", "attn_bias"):
+            a = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name)
+            v = a.meta.get("val") if isinstance(a, Node) else None
+            return v if isinstance(v, torch.Tensor) else None
+    return None
 
 
 def _signature(tree, needs_grad: Callable[[Node], bool]):
@@ -105,7 +125,10 @@ def _signature(tree, needs_grad: Callable[[Node], bool]):
             return ("V", v if isinstance(v, (int, float, bool)) else None)
         if isinstance(a, (list, tuple)):
             return ("L", tuple(one(x) for x in a))
-        return ("C", a if isinstance(a, (int, float, bool, str, torch.dtype, type(None))) else repr(a))
+        if isinstance(a, torch.device):  # the probe runs on meta
+            return ("C", torch.device("meta"))
+        constant = (int, float, bool, str, torch.dtype, torch.memory_format, torch.layout, type(None))
+        return ("C", a if isinstance(a, constant) else repr(a))
 
     if isinstance(tree, dict):
         return tuple((k, one(v)) for k, v in tree.items())

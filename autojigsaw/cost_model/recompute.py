@@ -5,7 +5,8 @@ its forward; at the start of its backward it runs its forward again, so those ac
 come back for the layer's backward only. "full" recomputes every node of the layer (its
 collectives too); "selective" keeps matmul and attention outputs and recomputes the rest, and
 keeps the outputs of collectives (torchtitan's op-level policy); its cache holds those outputs
-until the layer's backward even where no reader saves them. Items are split or extended, not
+until the layer's backward even where no reader saves them, and recomputes what a kept op makes
+inside itself (an attention's float copy of its boolean mask). Items are split or extended, not
 re-derived: the memory model stays the one the solver already trusts.
 """
 
@@ -85,29 +86,42 @@ def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[froze
     """
     n = len(memory.names)
     owner_layer = {i: j for j, d in enumerate(dropped) for i in d}
+    # copies a kept node makes inside itself (a float mask) are remade with its recomputed layer
+    remade = {k: j for k, i in memory.remade_lin.items() for j, d in enumerate(dropped) if d and i in layers[j].nodes}
     gap = {j: (layers[j].last, 2 * n - 1 - layers[j].last) for j in range(len(layers))}
 
-    def split(item, owner: int | None):
-        j = owner_layer.get(owner) if owner is not None else None
+    def split(item, owner: int | None, j: int | None = None):
+        j = owner_layer.get(owner) if j is None and owner is not None else j
         if j is None:
             return [item]
         end_fwd, start_bwd = gap[j]
-        if not (item.start <= end_fwd and item.end >= start_bwd):
+        # a value the layer's last node reads last is saved from just after the layer: dropped whole
+        if not (item.start <= end_fwd + 1 and item.end >= start_bwd):
             return [item]
         return [x for x in (replace_span(item, item.start, end_fwd), replace_span(item, start_bwd, item.end))
                 if x.start <= x.end]
 
     # selective checkpointing caches the outputs of the ops it keeps until the layer's backward
-    # recomputes it, whether or not a reader saves them (a saved one is held that long already)
-    cached = {i: j for j, d in enumerate(dropped) if d and not d <= resaved
-              for i in layers[j].nodes if i not in d}
+    # recomputes it (and takes them back), whether or not a reader saves them (a saved one is held
+    # that long already); recomputation stops once the last tensor saved is back, so the outputs
+    # of kept ops from the layer's last saving node on are never taken: the cache holds them
+    # through the layer's backward
+    savers = {item.node for k, item in enumerate(memory.lin) if k in memory.kept_lin}
+    savers |= {m.node for k, item in enumerate(memory.maxes) if k in memory.kept_maxes for m in item.members}
+    cached = {}
+    for j, d in enumerate(dropped):
+        if d and not d <= resaved:
+            last_saver = max((i for i in layers[j].nodes if i in savers), default=layers[j].last)
+            for i in layers[j].nodes:
+                if i not in d:
+                    cached[i] = 2 * n - 1 - layers[j].first if i >= last_saver else gap[j][1] - 1
 
     def held(item, node: int | None):
-        j = cached.get(node) if node is not None else None
-        return item if j is None else item._replace(end=max(item.end, gap[j][1]))
+        end = cached.get(node) if node is not None else None
+        return item if end is None else item._replace(end=max(item.end, end))
 
     lin = [piece for k, item in enumerate(memory.lin)
-           for piece in split(held(item, memory.unsaved_lin.get(k)), memory.kept_lin.get(k))]
+           for piece in split(held(item, memory.unsaved_lin.get(k)), memory.kept_lin.get(k), remade.get(k))]
     maxes = [piece for k, item in enumerate(memory.maxes) for piece in split(item, memory.kept_maxes.get(k))]
     pairs = [piece for k, item in enumerate(memory.pairs)
              for piece in (split(item, memory.kept_pairs.get(k)) if memory.kept_pairs.get(k) in resaved else [item])]
