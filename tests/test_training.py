@@ -50,7 +50,7 @@ def test_mixed_precision_within_rounding_of_single_device(ranks2, dtype, unit):
     one unit of roundoff per matmul, relative to the largest value, over the mixer's 9 matmuls.
     """
     mesh = {"tensor": 2}
-    plan = plan_json("mixer", mesh, 0.55, dtype=dtype)
+    plan = plan_json("mixer", mesh, 0.715, dtype=dtype)  # the bytes 0.55 was of a 30 % larger count
     for r in ranks2.run(train, "mixer", (2,), tuple(mesh), plan, steps=1, dtype=dtype):
         assert r["sharded"] > 0, r["table"]
         assert r["output"] <= 9 * unit * r["scale"], r
@@ -74,7 +74,7 @@ def _traffic(plan: str, dtype: torch.dtype) -> tuple[int, dict[str, int]]:
 
 def test_bf16_reductions_send_fp32_and_the_plan_counts_them_exactly(ranks2):
     """One plan run in bf16 and fp32: sums send the same fp32 bytes, all predicted exactly."""
-    plan = plan_json("mixer", {"tensor": 2}, 0.55, dtype=torch.float32)
+    plan = plan_json("mixer", {"tensor": 2}, 0.715, dtype=torch.float32)
     sent = {}
     for dtype in (torch.bfloat16, torch.float32):
         predicted, by_kind = ranks2.run(_traffic, plan, dtype)[0]
