@@ -39,6 +39,7 @@ import autojigsaw
 MODELS = ("llama", "gpt2")
 AXES = ("data", "domain", "tensor")  # "2x2" names the last two, "2x2x2" all three
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+BAD_INPUT_GRACE_S = 30  # how long other ranks wait, after bad input, for local rank 0 to print and exit
 transformers.logging.set_verbosity_error()
 
 
@@ -285,6 +286,8 @@ def main(argv=None) -> int:
     except BadInput as err:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one line per node
             print(f"train.py: error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every rank when one exits: let local rank 0 say why first
+            time.sleep(BAD_INPUT_GRACE_S)
         return 2
     cuda = torch.cuda.is_available()
     if cuda:
