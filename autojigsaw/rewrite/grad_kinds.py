@@ -65,7 +65,9 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str], *
                     _sum_gradient_at(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P
                                                    and a != summed_by_fsdp], rank)
                     if summed_by_fsdp in axes and kinds[(node, idx, summed_by_fsdp)] == GradKind.R:
-                        _keep_rank_zero(graph, node, summed_by_fsdp, rank)
+                        # full on every rank of the FSDP axis, whose reduce-scatter sums them: keep rank 0's
+                        mask = (C.grad_mask, summed_by_fsdp, {"axis": rank.axis(summed_by_fsdp)})
+                        _before_readers(graph, node, [mask])
                 _settle_before_parameters(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P],
                                           kinds, grad, params, rank)
         if multi:
@@ -157,20 +159,17 @@ def _agree(graph: Graph, node: Node, decided: dict, rank) -> None:
 
 def _sum_gradient_at(graph: Graph, node: Node, axes: list[int], rank) -> None:
     """All-reduce the gradient of `node` over `axes`: grad_all_reduce ops between it and its readers."""
-    if not axes:
+    _before_readers(graph, node, [(C.grad_all_reduce, a, {"axis": rank.axis(a)}) for a in axes])
+
+
+def _before_readers(graph: Graph, node: Node, calls) -> None:
+    """node -> calls (as _chain) -> every reader of node."""
+    if not calls:
         return
     users = list(node.users)
-    last = _chain(graph, node, [(C.grad_all_reduce, a, {"axis": rank.axis(a)}) for a in axes])
+    last = _chain(graph, node, calls)
     for u in users:
         u.replace_input_with(node, last)
-
-
-def _keep_rank_zero(graph: Graph, node: Node, a: int, rank) -> None:
-    """Mask a full gradient of `node` to rank 0 of axis a: FSDP sums every rank's over it."""
-    users = list(node.users)
-    masked = _chain(graph, node, [(C.grad_mask, a, {"axis": rank.axis(a)})])
-    for u in users:
-        u.replace_input_with(node, masked)
 
 
 def _chain(graph: Graph, node: Node, calls) -> Node:
