@@ -54,9 +54,14 @@ def replicated_bytes(name: str, dtype: torch.dtype = torch.float64) -> int:
 def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7, *, data_parallel: str | None = None,
               **build_kwargs) -> str:
     """The plan for `name` on `mesh` under `fraction` of the replicated bytes: sharded weights."""
-    model, inputs = build(name, **build_kwargs)
-    budget = int(fraction * replicated_bytes(name, build_kwargs.get("dtype", torch.float64)))
-    return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget,
+    return _plan_json(name, tuple(mesh.items()), fraction, data_parallel, tuple(sorted(build_kwargs.items())))
+
+
+@functools.cache  # plans are deterministic (tests/test_numerics.py): each is made once per test process
+def _plan_json(name: str, mesh: tuple, fraction: float, data_parallel: str | None, build_kwargs: tuple) -> str:
+    model, inputs = build(name, **dict(build_kwargs))
+    budget = int(fraction * replicated_bytes(name, dict(build_kwargs).get("dtype", torch.float64)))
+    return autojigsaw.plan(model, inputs, dict(mesh), device="cpu", memory_budget=budget,
                            data_parallel=data_parallel).to_json()
 
 
