@@ -19,9 +19,7 @@ def test_every_parameter_gradient_matches_single_device(request, mesh_id):
     mesh = MESHES[mesh_id]
     pool = request.getfixturevalue("ranks4" if len(mesh) == 2 else "ranks2")
     names = list(MODELS)
-    # Llama at 0.65: at 0.7 of its replicated memory (as counted since the recomputation-memory fixes) the
-    # 2x2 solve stops at the planner's 300 s limit; at 0.65 it is proven in 14 s
-    plans = {name: plan_json(name, mesh, 0.65 if name == "llama" else 0.7) for name in names}
+    plans = {name: plan_json(name, mesh) for name in names}
     results = pool.run(probe_all, names, plans, tuple(mesh.values()), tuple(mesh), timeout=600)
     wrong, unsharded = [], []
     for rank, by_model in enumerate(results):
