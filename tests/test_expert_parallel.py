@@ -1,8 +1,8 @@
 """Expert parallelism with a gathered output (kernels/experts.py, the "experts gathered" strategy).
 
-The kernel against the grouped matmul on one device in fp64 (outputs, the gradients of X and of
-each rank's experts, both gradient kinds, experts and ranks without rows, uneven experts) with
-the bytes it sends; the planner choosing it where the output's all-reduce costs more than the
+The kernel against the grouped matmul on one device (outputs, the gradients of X and of each
+rank's experts, both gradient kinds, experts and ranks without rows, uneven experts) with the
+bytes it sends, in fp64 over transformers' fallback and in bf16 over torch._grouped_mm; the planner choosing it where the output's all-reduce costs more than the
 weights' gather; and a tiny Mixtral whose experts are split over 2 ranks training like one device.
 """
 
@@ -18,6 +18,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autojigsaw
 from autojigsaw import Plan
+from autojigsaw.dtypes import reduce_dtype
 from autojigsaw.ir import GradKind, bytes_sent
 from autojigsaw.kernels import collectives as C
 from autojigsaw.kernels.experts import expert_gather_mm
@@ -34,6 +35,12 @@ FP32_TOL = 40 * torch.finfo(torch.float32).eps  # relative to the largest value
 MESH = {"tensor": 2}
 STEPS, LR, ADAM_EPS = 1, 1e-2, 1e-8  # side_by_side.train's Adam: one step, so outputs compare before Adam acts
 K, N = 6, 5
+# the grouped matmul each dtype is captured as, with its sizes: torch._grouped_mm needs rows of 16 bytes
+KERNEL_OPS = {torch.float64: (torch.ops.transformers.grouped_mm_fallback.default, K, N),
+              torch.bfloat16: (torch.ops.aten._grouped_mm.default, 8, 16)}
+# bf16: the kernel's dW (torch.mm per expert) and the reference's (_grouped_mm's backward) sum in
+# other orders in fp32, then round: one bf16 ulp (2^-7 relative) apart at most
+KERNEL_TOL = {torch.float64: FP64_TOL, torch.bfloat16: 2.0**-7}
 CASES = {  # rows per expert, experts per rank, rows past the last expert
     "an expert without rows": ([3, 0, 5, 2], (2, 2), 0),
     "uneven experts": ([4, 1, 3], (2, 1), 0),
@@ -43,21 +50,24 @@ CASES = {  # rows per expert, experts per rank, rows past the last expert
 }
 
 
-def _kernel_case(counts, experts, extra, kind):
+def _kernel_case(counts, experts, extra, kind, dtype=torch.float64):
     """(max error / scale of output, dX, dW; the collectives run) on this rank."""
-    op = torch.ops.transformers.grouped_mm_fallback.default
+    op, k, n_cols = KERNEL_OPS[dtype]
     n, r = dist.get_world_size(), dist.get_rank()
     axis = MeshAxis("experts", n, dist.group.WORLD.group_name, r)
     torch.manual_seed(0)
     rows = sum(counts) + extra
-    x = torch.randn(rows, K, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(len(counts), K, N, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(rows, k, dtype=dtype, requires_grad=True)
+    w = torch.randn(len(counts), k, n_cols, dtype=dtype, requires_grad=True)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    g = torch.randn(rows, N, dtype=torch.float64)
-    parts = torch.randn(n, rows, N, dtype=torch.float64)
-    parts[-1] = g - parts[:-1].sum(0)  # contributions summing to g (to rounding)
+    # small integers: the ranks' contributions sum to g exactly in any dtype
+    parts = torch.randint(-4, 5, (n, rows, n_cols)).to(dtype)
+    g = parts.sum(0)
     want = op(x, w, offs)
     want_dx, want_dw = torch.autograd.grad(want, (x, w), g)
+    # rows past the last expert: torch._grouped_mm leaves them unwritten, the kernel gives zeros
+    want, want_dx = want.detach(), want_dx.clone()
+    want[int(offs[-1]):], want_dx[int(offs[-1]):] = 0, 0
 
     first = sum(experts[:r])
     xl, wl = x.detach().requires_grad_(), w[first:first + experts[r]].detach().requires_grad_()
@@ -73,26 +83,29 @@ def _kernel_case(counts, experts, extra, kind):
     return errors, log.calls
 
 
-def _check_kernel(results, counts, experts, kind):
+def _check_kernel(results, counts, experts, kind, dtype=torch.float64):
     n = len(experts)
+    _, k, n_cols = KERNEL_OPS[dtype]
+    size = dtype.itemsize
     bounds = [sum(experts[:r]) for r in range(n + 1)]
     lengths = [sum(counts[bounds[r]:bounds[r + 1]]) for r in range(n)]
     for r, (errors, calls) in enumerate(results):
-        assert max(errors) <= FP64_TOL, (r, errors)
+        assert max(errors) <= KERNEL_TOL[dtype], (r, errors)
         own, total = lengths[r], sum(lengths)
-        want = [("all_gather", "experts", bytes_sent("all_gather", own * N * 8, n))]
+        want = [("all_gather", "experts", bytes_sent("all_gather", own * n_cols * size, n))]
         if kind == "R":  # backward: X's gradient gathered from the ranks' ranges
-            want.append(("all_gather", "experts", bytes_sent("all_gather", own * K * 8, n)))
-        else:  # backward: the other ranks' ranges of the output gradient sent to them
-            want.append(("send_recv", "experts", (total - own) * N * 8))
+            want.append(("all_gather", "experts", bytes_sent("all_gather", own * k * size, n)))
+        else:  # backward: the other ranks' ranges of the output gradient sent to them, summed in reduce_dtype
+            want.append(("send_recv", "experts", (total - own) * n_cols * reduce_dtype(dtype, "sum").itemsize))
         assert calls == want, (r, calls)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
 @pytest.mark.parametrize("kind", ["R", "P"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_the_grouped_matmul_and_sends_its_rows(ranks2, case, kind):
+def test_kernel_matches_the_grouped_matmul_and_sends_its_rows(ranks2, case, kind, dtype):
     counts, experts, extra = CASES[case]
-    _check_kernel(ranks2.run(_kernel_case, counts, experts, extra, kind), counts, experts, kind)
+    _check_kernel(ranks2.run(_kernel_case, counts, experts, extra, kind, dtype), counts, experts, kind, dtype)
 
 
 @pytest.mark.parametrize("kind", ["R", "P"])
