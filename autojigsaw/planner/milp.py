@@ -213,7 +213,8 @@ class _Builder:
         self.w: dict[tuple, tuple[int, np.ndarray]] = {}
         self._assignment()
         self._objective()
-        self._memory_levels()
+        if budget is not None:
+            self._memory_levels()
 
     def x(self, node: int) -> int:
         return int(self.offsets[self.p.group[node]])
