@@ -1,0 +1,145 @@
+"""torch.export (non-strict) of a model, from meta or sharded state, with errors that name the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import sys
+import warnings
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from ..modules import module_path
+
+aten = torch.ops.aten
+log = logging.getLogger("autojigsaw")
+
+
+def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype | None,
+            dynamic_shapes=None) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) and decompositions; a ValueError naming the fix if export fails."""
+    # On failure torch.export prints the partial graph to stderr: kept for logging.DEBUG instead.
+    torch_stderr = io.StringIO()
+    try:
+        with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
+              warnings.catch_warnings(), contextlib.redirect_stderr(torch_stderr)):
+            # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            ep = ep.run_decompositions({})
+    except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
+        log.debug("torch.export's output before it failed (the partial graph):\n%s", torch_stderr.getvalue())
+        raise ValueError(_export_error(model, e)) from e
+    sys.stderr.write(torch_stderr.getvalue())
+    return ep
+
+
+_ONE_DTYPE_OPS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                  aten.matmul.default, aten.convolution.default)
+
+
+def check_operand_dtypes(gm: GraphModule, params: dict[str, str]) -> None:
+    """A matmul or convolution of tensors of different dtypes (integer inputs to a float layer)
+    traces on fake tensors but fails on every rank: refused here, by node and module."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _ONE_DTYPE_OPS:
+            continue
+        dtypes = [a.meta["val"].dtype for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if len(set(dtypes)) > 1:
+            where = module_path(node, params) or "the model"
+            raise ValueError(f"node {node.name} ({where}) runs {node.target} on tensors of dtypes "
+                             f"{[str(d) for d in dtypes]}: it needs one dtype; cast the input to the weights' dtype "
+                             "(x.float()), or pass integer ids through an embedding")
+
+
+def check_dense(args: tuple, kwargs: dict) -> None:
+    """Only strided (dense) tensors can be sharded: a sparse input is refused by name."""
+    for path, value in pytree.tree_flatten_with_path((tuple(args), kwargs))[0]:
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            where = ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
+            raise ValueError(f"input {where} is a {value.layout} tensor: autojigsaw shards dense tensors only; "
+                             "pass it dense (.to_dense())")
+
+
+def _export_error(model: torch.nn.Module, e: Exception) -> str:
+    """What failed, where in the model's code, and the fix; the partial graph only at logging.DEBUG."""
+    text = str(e)
+    lines = text.splitlines()
+    marker = "The following call raised this error:"
+    at = lines.index(marker) if marker in lines else None
+    where = "" if at is None else "\n".join(lines[at:at + 3]) + "\n"  # the model's line that failed
+    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
+        fix = (f"{type(model).__name__}'s experts loop in Python over the experts hit (experts_implementation="
+               "'eager'): build it with the default experts implementation (grouped_mm), which autojigsaw shards.")
+    else:
+        fix = ("autojigsaw needs a model that torch.export(strict=False) can trace: remove data-dependent "
+               "Python control flow, and pass use_cache=False to Hugging Face models.")
+    return (f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
+            f"{lines[0] if lines else ''}\n{where}{fix}\n"
+            "(torch.export's partial graph: a logging.DEBUG record on logger 'autojigsaw')")
+
+
+@contextlib.contextmanager
+def _stand_in_state(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype | None):
+    """Trace with fake stand-ins for meta state, and for every floating parameter in `param_dtype`.
+
+    Meta state and real inputs do not mix in one trace; fake tensors on the inputs' device
+    stand in for the meta ones (no memory), and for sharded ones (DTensors, as whole tensors),
+    and the originals are put back afterwards. Under
+    mixed precision the floating inputs are cast too, as FSDP2 casts forward inputs.
+    """
+    def replaced(t, is_param: bool) -> bool:
+        # DTensors: a model captured again after its parameters were sharded (a new input shape)
+        return (t.is_meta or isinstance(t, DTensor)
+                or (is_param and param_dtype is not None and t.is_floating_point()))
+
+    state = [(table, name, t) for mod in model.modules()
+             for table, is_param in ((mod._parameters, True), (mod._buffers, False))
+             for name, t in table.items() if t is not None and replaced(t, is_param)]
+    if not state:
+        yield args, kwargs
+        return
+    real = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    device = real[0].device if real else torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}  # one stand-in per tensor: tied weights stay tied
+    for table, name, t in state:
+        if id(t) not in fakes:
+            cast = param_dtype if isinstance(t, nn.Parameter) and param_dtype and t.is_floating_point() else t.dtype
+            with mode:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=cast, device=device)
+            fakes[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        table[name] = fakes[id(t)]
+
+    def stand_in(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if param_dtype is not None and x.is_floating_point():
+            x = x.to(param_dtype)
+        return mode.from_tensor(x)
+
+    try:
+        yield pytree.tree_map(stand_in, (args, kwargs))
+    finally:
+        for table, name, t in state:
+            table[name] = t
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: torch.nn.Module):
+    """Turn a Hugging Face model's `config.use_cache` off while tracing it."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
