@@ -80,6 +80,10 @@ class _Model:
         self.hi: list[float] = []
         self.gap = 0.0
         self.proven = False  # the last solve's plan is optimal (the LP relaxation was integral, or branching proved it)
+        # what a solve found, for the next one on the same rows (the proof after a quick plan that fits):
+        # the model only grows, so (variables, rows) names it
+        self._relaxed: tuple | None = None
+        self._branched: dict[bytes, tuple | None] = {}
 
     def add_vars(self, cost: np.ndarray, upper: float = 1.0, zero_one: bool = False, integer: bool = False) -> int:
         first = self.n
@@ -109,16 +113,21 @@ class _Model:
         matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
                             shape=(len(self.lo), self.n)).tocsc()
         lo, hi, upper = np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
-        relaxed = milp(c=cost, constraints=LinearConstraint(matrix, lo, hi), bounds=Bounds(0, upper),
-                       options={"time_limit": time_limit})
-        lp = None  # the deadline came in the first LP
+        shape = (self.n, len(self.lo))
+        if self._relaxed is None or self._relaxed[0] != shape:
+            relaxed = milp(c=cost, constraints=LinearConstraint(matrix, lo, hi), bounds=Bounds(0, upper),
+                           options={"time_limit": time_limit})
+            lp = None  # the deadline came in the first LP, or no duals are needed
+            if relaxed.status != 1 and relaxed.x is not None and not _integral(relaxed.x[:n_int]):
+                lp = _lp(cost, matrix, lo, hi, upper, deadline)  # again, for the duals scipy's milp does not return
+            self._relaxed, self._branched = (shape, relaxed, lp), {}
+        _, relaxed, lp = self._relaxed
         if relaxed.status != 1:
             if relaxed.x is None:
                 return None  # infeasible even fractionally
-            if np.all(np.abs(relaxed.x[:n_int] - np.round(relaxed.x[:n_int])) < 1e-7):
+            if _integral(relaxed.x[:n_int]):
                 self.proven = True
                 return relaxed.x
-            lp = _lp(cost, matrix, lo, hi, upper, deadline)  # again, for the duals scipy's milp does not return
         if lp is None:  # the deadline came first: branch on the whole program for what time is left
             best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), deadline)
             self.proven = best is not None and not self.gap
@@ -147,6 +156,9 @@ class _Model:
 
     def _branch(self, cost, matrix, lo, hi, upper, keep, deadline):
         """(x, objective) of the MILP on the columns `keep`, the others fixed at 0; None if none fits."""
+        key = np.packbits(keep).tobytes()
+        if key in self._branched:
+            return self._branched[key]
         cols = np.flatnonzero(keep)
         time_limit = max(deadline - time.perf_counter(), 1.0)
         # HiGHS presolve restarts cost more than they save here; _propagated did the useful part
@@ -158,12 +170,20 @@ class _Model:
                 raise ValueError(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
                                  "give tie_layers=True (one choice per repeated layer), a larger "
                                  "memory_budget, or a smaller mesh")
+            self._branched[key] = None
             return None
         if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
             self.gap = max(self.gap, float(exact.mip_gap))
         x = np.zeros(self.n)
         x[cols] = exact.x
+        if exact.status != 1:
+            self._branched[key] = (x, float(exact.fun))
         return x, float(exact.fun)
+
+
+def _integral(x: np.ndarray) -> bool:
+    """Whether every entry is an integer, to HiGHS' tolerance."""
+    return bool(np.all(np.abs(x - np.round(x)) < 1e-7))
 
 
 def _propagated(zero_rows, keep: np.ndarray) -> np.ndarray:
