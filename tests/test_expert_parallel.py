@@ -2,8 +2,9 @@
 
 The kernel against the grouped matmul on one device (outputs, the gradients of X and of each
 rank's experts, both gradient kinds, experts and ranks without rows, uneven experts) with the
-bytes it sends, in fp64 over transformers' fallback and in bf16 over torch._grouped_mm; the planner choosing it where the output's all-reduce costs more than the
-weights' gather; and a tiny Mixtral whose experts are split over 2 ranks training like one device.
+bytes it sends, in fp64 over transformers' fallback and in bf16 over torch._grouped_mm; the
+planner choosing it where the output's all-reduce costs more than the weights' gather; and a
+tiny Mixtral whose experts are split over 2 ranks training like one device.
 """
 
 import copy

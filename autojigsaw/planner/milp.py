@@ -417,14 +417,15 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) 
         prove = False
 
 
-def _fits(peak: float, budget: float | None) -> bool:
-    return budget is None or peak <= budget * (1 + 1e-6)  # HiGHS' feasibility tolerance
+def _fits(peak, budget: float | None):
+    """Whether `peak` (bytes, or an array of them) is within the budget, to HiGHS' feasibility tolerance."""
+    return budget is None or peak <= budget * (1 + 1e-6)
 
 
 def _worst_points(profile: np.ndarray, candidates: np.ndarray, cuts: list[int], budget: float) -> list[int]:
     """The peak and up to CUTS_PER_ROUND - 1 other over-budget peak candidates, worst first: a
     plan's memory is flat across much of its backward, and every new row found costs a solve."""
     worst = [int(np.argmax(profile))]
-    over = candidates[profile[candidates] > budget * (1 + 1e-6)]
+    over = candidates[~_fits(profile[candidates], budget)]
     worst += [int(q) for q in over[np.argsort(-profile[over], kind="stable")] if q not in cuts and q != worst[0]]
     return worst[:CUTS_PER_ROUND]
