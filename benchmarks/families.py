@@ -19,54 +19,57 @@ _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 @dataclass(frozen=True)
 class WeatherMixerFamily:
-    """WeatherMixer (examples/mixer_model.py) on a fixed sample, widened in steps of `unit`.
+    """The Jigsaw paper's WeatherMixer (examples/jigsaw_weathermixer.py), widened in steps of `unit`.
 
-    The paper (arXiv 2507.05753) and its talk give the sample (~400 MB, global 0.25-degree ERA5)
-    and the parameter counts (1.06 B on one GPU, 2.57 B on four); its widths, depth and patch
-    size could not be found here, so these are assumptions: 96 fp32 channels on a 720 x 1440
-    grid (398 MB), 16 x 16 patches (4,050 tokens), depth 8, token MLP hidden = width, channel
-    MLP hidden = 4 x width. Replace them when the paper's configuration is known.
+    Its configuration is the paper's artifact's (github.com/DeifiliaTo/Jigsaw_SC, cases/C4): 69
+    fp32 fields on the 720 x 1440 grid (286 MB a sample), 1-D patches of 60 points (17,280
+    tokens), 3 mixer blocks, channel MLP hidden = width, token MLP hidden = `spatial_fraction` x
+    tokens (0.5 for its 1- and 2-GPU models, 1 for the 4-GPU one). The width knob is `dim`.
     """
 
-    channels: int = 96
+    fields: int = 69
     lat: int = 720
     lon: int = 1440
-    patch: int = 16
-    depth: int = 8
-    unit: int = 128
+    patch: int = 60
+    depth: int = 3
+    spatial_fraction: float = 0.5
+    unit: int = 16
     dtype: torch.dtype = torch.float32
-    first_guess: int = 32  # width step where the search starts on the first GPU count
+    first_guess: int = 270  # width step where the search starts on the first GPU count (dim 4320)
     name: str = "weather mixer"
 
     def widths(self, k: int) -> dict:
-        w = k * self.unit
-        return dict(dim=w, token_hidden=w, channel_hidden=4 * w)
+        return dict(dim=k * self.unit, spatial_fraction=self.spatial_fraction)
 
     def build(self, k: int):
         """(model on meta, example inputs on meta) at width step k."""
-        module = _load_example("mixer_model")
+        module = load_example("jigsaw_weathermixer")
         with torch.device("meta"):
-            model = module.WeatherMixer(self.channels, self.lat, self.lon, self.patch,
-                                        depth=self.depth, **self.widths(k)).to(self.dtype)
-            x = torch.empty(1, self.channels, self.lat, self.lon, dtype=self.dtype)
-        return model, (x,)
+            model = module.FieldLoss(fields=self.fields, lat=self.lat, lon=self.lon, patch=self.patch,
+                                     depth=self.depth, **self.widths(k)).to(self.dtype)
+            x = torch.empty(1, self.fields, self.lat, self.lon, dtype=self.dtype)
+            target = torch.empty(1, self.lat, self.lon, self.fields, dtype=self.dtype)
+        return model, (x, target)
 
     @property
     def tokens(self) -> int:
-        return (self.lat // self.patch) * (self.lon // self.patch)
+        return self.lat * self.lon // self.patch
 
     def sample_bytes(self) -> int:
-        return self.channels * self.lat * self.lon * self.dtype.itemsize
+        return self.fields * self.lat * self.lon * self.dtype.itemsize
 
     def train_flops(self, k: int) -> float:
-        """Forward matmul FLOPs x 3: embedding, token mixing, channel mixing, head."""
-        w, t, pix = self.widths(k), self.tokens, self.channels * self.patch ** 2
-        block = 4 * w["dim"] * t * w["token_hidden"] + 4 * t * w["dim"] * w["channel_hidden"]
-        return 3.0 * (self.depth * block + 4 * t * pix * w["dim"])
+        """Forward matmul and convolution FLOPs x 3: embedding, token and channel mixing, recovery, head."""
+        d, t = k * self.unit, self.tokens
+        token_hidden = int(t * self.spatial_fraction)
+        block = 4 * d * t * token_hidden + 4 * t * d * d
+        embed = 2 * t * d * (self.fields + 3) * self.patch
+        recover = 2 * t * 2 * d * self.fields * self.patch
+        head = 2 * self.lat * self.lon * 2 * self.fields * self.fields
+        return 3.0 * (self.depth * block + embed + recover + head)
 
     def describe(self, k: int) -> str:
-        w = self.widths(k)
-        return f"dim {w['dim']}, depth {self.depth}"
+        return f"dim {k * self.unit}, tokens x {self.spatial_fraction:g}"
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,8 @@ class LlamaFamily:
         return f"hidden {self.widths(k)['hidden']}, depth {self.depth}"
 
 
-def _load_example(name: str):
+def load_example(name: str):
+    """The module examples/<name>.py (examples/ is not a package)."""
     spec = importlib.util.spec_from_file_location(f"_examples_{name}", _EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

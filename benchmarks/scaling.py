@@ -2,14 +2,17 @@
 
 For each GPU count n (a balanced domain x tensor mesh), search the widest model of a family
 for which `autojigsaw.plan` finds a plan within the device's memory budget (no process
-group, the model on the meta device), trained as people run it: bf16 compute with fp32
-master weights and gradient sums (MixedPrecisionPolicy), Adam, and recomputation chosen by
-the planner per layer (activation_checkpointing="auto"). Report the plan's predicted step
-time and the model FLOP utilisation (analytic training FLOPs / (step time x n x bf16 peak);
-recomputed FLOPs are not counted as useful). The search steps the width from a guess until
-a plan fails (or fits), then bisects.
+group, the model on the meta device), trained with Adam in one of two regimes:
+  mixed  bf16 compute with fp32 master weights and gradient sums (MixedPrecisionPolicy), and
+         recomputation chosen by the planner per layer (activation_checkpointing="auto");
+  paper  as the Jigsaw paper trained WeatherMixer: fp32 throughout, matmuls as TF32 (the
+         device's "+tf32" spec), no recomputation.
+Report the plan's predicted step time and the model FLOP utilisation (analytic training FLOPs
+/ (step time x n x the matmul peak: bf16, or TF32); recomputed FLOPs are not counted as
+useful). The search steps the width from a guess until a plan fails (or fits), then bisects.
 
 Run: python -m benchmarks.scaling [--gpus 1 2 4 ... 1024] [--families mixer llama]
+     python -m benchmarks.scaling --families mixer --device a100-40gb --regime paper --gpus 1 2 4
 """
 
 from __future__ import annotations
@@ -30,10 +33,15 @@ from .families import LlamaFamily, WeatherMixerFamily
 
 GROWTH = 1.5  # width factor per search step before bisecting
 MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-# What the Jigsaw paper (arXiv 2507.05753) and its talk report for WeatherMixer, 80 GB GPUs.
-PAPER = {1: "1.06 B", 4: "2.57 B, 97 % of peak", 8: "~4 B (talk); 6.4x speed-up",
-         256: "11 PFLOP/s, 28 % of peak (with data parallelism)"}
-PAPER_PARAMS = {1: 1.06, 4: 2.57, 8: 4.0}  # billions, for the plot
+REGIMES = {"mixed": ("", dict(mp_policy=MIXED, activation_checkpointing="auto")),
+           "paper": ("+tf32", dict(activation_checkpointing="none"))}  # (device suffix, plan options)
+# The Jigsaw paper's largest WeatherMixers on A100-40GB (its artifact, cases/C4/node_1: the
+# configs and the parameter counts their logs print; arXiv 2507.05753: 1.06 B and 2.57 B), and
+# what the paper and its talk report beyond.
+PAPER = {1: "1.06 B: dim 4320, tokens x 0.5", 2: "1.40 B: dim 8192, tokens x 0.5",
+         4: "2.57 B: dim 10352, tokens x 1", 8: "~4 B (talk); 6.4x speed-up",
+         256: "9-11 PFLOP/s, 23-28 % of TF32 peak (with data parallelism)"}
+PAPER_PARAMS = {1: 1.06, 2: 1.40, 4: 2.57, 8: 4.0}  # billions, for the plot
 
 
 @dataclass
@@ -59,8 +67,8 @@ def mesh_for(n: int) -> dict:
 class Search:
     """Plans of one family on one device, counted and timed."""
 
-    def __init__(self, family, device: str, budget: int | None):
-        self.family, self.device, self.budget = family, device, budget
+    def __init__(self, family, device: str, budget: int | None, options: dict):
+        self.family, self.device, self.budget, self.options = family, device, budget, options
         self.plans_made, self.seconds = 0, 0.0
 
     def plan(self, k: int, mesh: dict) -> autojigsaw.Plan | None:
@@ -69,7 +77,7 @@ class Search:
         start = time.perf_counter()
         try:
             return autojigsaw.plan(model, inputs, mesh, device=self.device, memory_budget=self.budget,
-                                   mp_policy=MIXED, activation_checkpointing="auto")
+                                   **self.options)
         except ValueError as e:
             if str(e).startswith("no plan fits"):  # autojigsaw's infeasibility error
                 return None
@@ -116,13 +124,14 @@ class Search:
         return lo
 
 
-def sweep(family, gpus: list[int], device: str, budget: int | None, tolerance: float) -> list[Point]:
+def sweep(family, gpus: list[int], device: str, budget: int | None, tolerance: float,
+          options: dict) -> list[Point]:
     """The largest model for every GPU count; each search starts where the last one predicts.
 
     Parameters grow as width squared and memory with the GPU count, so the guess for n GPUs
     is the previous width times sqrt(n / previous n).
     """
-    search, points = Search(family, device, budget), []
+    search, points = Search(family, device, budget, options), []
     for n in gpus:
         last = next((p for p in reversed(points) if p.k), None)
         guess = round(last.k * math.sqrt(n / last.gpus)) if last else family.first_guess
@@ -133,8 +142,8 @@ def sweep(family, gpus: list[int], device: str, budget: int | None, tolerance: f
     return points
 
 
-def _rows(family, points: list[Point], device: str, with_paper: bool) -> list:
-    peak = device_spec(device).peak_flops(MIXED.param_dtype)
+def _rows(family, points: list[Point], device: str, with_paper: bool, dtype: torch.dtype) -> list:
+    peak = device_spec(device).matmul_peak(dtype)
     rows = []
     for p in points:
         searched = f"{p.plans_made} / {p.seconds:.0f} s" + (" (planner error)" if p.error else "")
@@ -189,10 +198,10 @@ def _plot(results: dict, device: str) -> None:
 
 
 def _families(args) -> dict:
-    mixer = WeatherMixerFamily(depth=args.mixer_depth)
+    mixer = WeatherMixerFamily(spatial_fraction=args.spatial_fraction)
     llama = LlamaFamily(seq=args.seq, depth=args.llama_depth)
     if args.tiny:
-        mixer = replace(mixer, channels=4, lat=32, lon=64, patch=8, unit=8, depth=1, first_guess=4)
+        mixer = replace(mixer, fields=4, lat=16, lon=64, patch=8, unit=8, depth=1, first_guess=4)
         llama = replace(llama, seq=64, vocab=256, depth=1, first_guess=1)
     return {"mixer": mixer, "llama": llama}
 
@@ -202,7 +211,8 @@ def main(argv: list[str] | None = None) -> Report:
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024])
     p.add_argument("--families", nargs="+", default=["mixer", "llama"], choices=["mixer", "llama"])
     p.add_argument("--device", default="h100")
-    p.add_argument("--mixer-depth", type=int, default=8)
+    p.add_argument("--regime", choices=list(REGIMES), default="mixed", help="see above")
+    p.add_argument("--spatial-fraction", type=float, default=0.5, help="the mixer's token MLP hidden / tokens")
     p.add_argument("--llama-depth", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096, help="tokens per Llama sample")
     p.add_argument("--tolerance", type=float, default=0.1, help="relative width resolution of the search")
@@ -211,27 +221,31 @@ def main(argv: list[str] | None = None) -> Report:
                    help="one-block models on a tiny sample, a 16 MiB budget (smoke test)")
     args = p.parse_args(argv)
     families = _families(args)
+    suffix, options = REGIMES[args.regime]
+    device, dtype = args.device + suffix, torch.bfloat16 if args.regime == "mixed" else torch.float32
     budget = 16 * 2**20 if args.tiny else int(args.budget_gib * 2**30) if args.budget_gib else None
-    shown = (budget or 0.9 * device_spec(args.device).memory_bytes) / 2**30
-    rep = Report("scaling", f"Simulated scaling: largest model per GPU count ({args.device})")
+    shown = (budget or 0.9 * device_spec(device).memory_bytes) / 2**30
+    regime = ("bf16 compute with fp32 masters, recomputation chosen" if args.regime == "mixed"
+              else "fp32 with TF32 matmuls, no recomputation (the paper's)")
+    rep = Report("scaling", f"Simulated scaling: largest model per GPU count ({device})")
     results, errors = {}, []
     for key in args.families:
         family = families[key]
         print(f"\n{family.name}: searching {args.gpus} GPUs", flush=True)
-        results[family.name] = points = sweep(family, args.gpus, args.device, budget, args.tolerance)
+        results[family.name] = points = sweep(family, args.gpus, device, budget, args.tolerance, options)
         errors += [p.error for p in points if p.error]
         sample = f"{family.sample_bytes() / 1e6:.3g} MB sample" if key == "mixer" else f"{family.seq}-token sample"
         headers = ["GPUs", "mesh d x t", "model", "params", "memory/GPU", "recomputed layers", "predicted step",
                    "MFU", "plans / time"] + (["Jigsaw paper (WeatherMixer)"] if key == "mixer" else [])
-        rep.table(f"{family.name}, {sample}, bf16 compute with fp32 masters, batch 1, "
-                  f"{shown:.3g} GiB budget per GPU", _rows(family, points, args.device, key == "mixer"), headers)
+        rep.table(f"{family.name}, {sample}, {regime}, batch 1, {shown:.3g} GiB budget per GPU",
+                  _rows(family, points, device, key == "mixer", dtype), headers)
     rep.lines += ["Predicted by autojigsaw's cost model (plan.step_time), not measured. MFU = analytic "
-                  "training FLOPs / (predicted step x GPUs x bf16 peak). Depth is fixed and width grows so "
-                  "that 1024-GPU plans stay fast. The weather mixer's sample is the paper's (~400 MB); its "
-                  "widths, depth and patches are assumptions (benchmarks/families.py).", ""]
+                  "training FLOPs / (predicted step x GPUs x matmul peak). Depth is fixed and width grows so "
+                  "that 1024-GPU plans stay fast. The weather mixer is the Jigsaw paper's, in its configuration "
+                  "(benchmarks/families.py); only its width grows.", ""]
     if errors:
         rep.text("Planner errors (each counted as 'does not fit')", "\n".join(errors))
-    _plot(results, args.device)
+    _plot(results, device)
     rep.save()
     if errors:
         raise RuntimeError("the planner failed during the sweep:\n" + "\n".join(errors))

@@ -28,6 +28,7 @@ from autojigsaw.testing.local_ranks import get_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from mixer_model import FieldLoss, MixerBlock, WeatherMixer  # noqa: E402
+import jigsaw_weathermixer  # noqa: E402,F401  (the Jigsaw paper's WeatherMixer)
 
 __all__ = ["BANDWIDTH_BOUND", "FieldLoss", "MixerBlock", "WeatherMixer", "assert_matches", "inputs_are",
            "outputs_are", "pinned_plan", "seeded", "train_side_by_side"]

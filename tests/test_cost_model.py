@@ -69,6 +69,16 @@ def test_flops_per_kind_and_roofline():
     assert scaling(expr, {"batch"}) == "batch"
 
 
+def test_patch_convolutions_cost_their_equivalent_linears():
+    """A 1-D patch embedding (stride == kernel) and its transposed recovery are linears on patches."""
+    aten = torch.ops.aten
+    embed = flops(aten.conv1d.default, [(1, 72, 1200), (32, 72, 60), (32,)], [(1, 32, 20)])
+    assert embed == flops(aten.linear.default, [(20, 72 * 60), (32, 72 * 60)], [(20, 32)])
+    recover = flops(aten.conv_transpose1d.default, [(1, 64, 20), (64, 69, 60), (69,)], [(1, 69, 1200)])
+    assert recover == flops(aten.linear.default, [(20, 64), (69 * 60, 64)], [(20, 69 * 60)])
+    assert {op_kind(op).name for op in (aten.conv1d.default, aten.conv3d.default, aten.conv_transpose2d.input)} == {"conv"}
+
+
 def test_what_ops_save_for_backward():
     from torch.fx.experimental.proxy_tensor import make_fx
 

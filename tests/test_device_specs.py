@@ -8,7 +8,7 @@ import torch
 from autojigsaw.cost_model.compute import memory_time, roofline_time
 from autojigsaw.cost_model.devices import DEVICES, KERNEL_KINDS, DeviceSpec, Efficiency, device_spec
 
-GPUS = ("h100", "h100-96gb", "h200", "a100")
+GPUS = ("h100", "h100-96gb", "h200", "a100", "a100-40gb")
 SIZES = np.logspace(3, 15, 49)
 
 
@@ -121,3 +121,16 @@ def test_bad_efficiencies_are_rejected():
                    intra_node=device_spec("h100").intra_node, inter_node=device_spec("h100").inter_node,
                    devices_per_node=1, efficiency=(("gemm", Efficiency()),))
     assert device_spec("h100+compile").compiled() == device_spec("h100+compile")
+
+
+def test_tf32_prices_fp32_matmuls_and_convs_at_the_tensor_core_peak_only():
+    plain, tf32 = device_spec("a100-40gb"), device_spec("a100-40gb+tf32")
+    f, moved = 2 * 8192**3, 3 * 8192**2 * 4
+    for kind in ("matmul", "conv"):
+        assert roofline_time(f, moved, torch.float32, plain, kind) / roofline_time(f, moved, torch.float32, tf32, kind) \
+            == pytest.approx(156 / 19.5, rel=0.01)
+    for dtype, kind in ((torch.bfloat16, "matmul"), (torch.float32, "elementwise")):  # untouched
+        assert roofline_time(f, moved, dtype, plain, kind) == roofline_time(f, moved, dtype, tf32, kind)
+    assert device_spec("a100-40gb+tf32+compile") == tf32.compiled() and "TF32" in tf32.table()
+    with pytest.raises(ValueError, match=r"device 'cpu-gloo' has no TF32 peak; its dtypes: \['float32'"):
+        device_spec("cpu+tf32")

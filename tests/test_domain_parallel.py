@@ -19,8 +19,8 @@ from autojigsaw.capture import capture
 from autojigsaw.mesh import MeshSpec
 from autojigsaw.placements import format_placements
 
-from .jigsaw_common import (WeatherMixer, assert_matches, inputs_are, outputs_are, pinned_plan,
-                            seeded, train_side_by_side)
+from .jigsaw_common import (WeatherMixer, assert_matches, inputs_are, jigsaw_weathermixer, outputs_are,
+                            pinned_plan, seeded, train_side_by_side)
 
 MESH = {"domain": 2, "tensor": 2}
 F64 = torch.float64
@@ -74,6 +74,58 @@ def test_conv2d_shards_only_whole_patches():
     x_layouts = {format_placements(s.inputs[0]) for s in conv.meta[STRATEGIES]}
     assert "S(2),R" in x_layouts and "S(2),S(2)" in x_layouts  # 4 patch rows: 2 + 2, 1 + 1 + 1 + 1
     assert not any("S(3)" in layout for layout in x_layouts)
+
+
+# ---------------------------------------------------------------- 1-D patches and their recovery
+
+
+class Patches1D(nn.Module):
+    """The Jigsaw paper's patching: a strided Conv1d in, a strided ConvTranspose1d back out."""
+
+    def __init__(self, channels=3, dim=5, patch=4):
+        super().__init__()
+        self.embed = nn.Conv1d(channels, dim, patch, stride=patch)
+        self.recover = nn.ConvTranspose1d(dim, channels, patch, stride=patch)
+
+    def forward(self, x):
+        return self.recover(nn.functional.gelu(self.embed(x)))
+
+
+PATCH_1D_PINS = {  # (conv1d's inputs, conv_transpose1d's inputs); 5 channels split 3 + 2
+    "patches-2d": (("S(2),S(2)", "R,R", "R,R"), ("S(2),S(2)", "R,R", "R,R")),
+    "patches-out-in": (("S(2),R", "R,S(0)", "R,S(0)"), ("S(2),S(1)", "R,S(0)", "R,P(sum)")),
+    "batch-out": (("S(0),R", "R,R", "R,R"), ("S(0),R", "R,S(1)", "R,S(0)")),
+}
+
+
+@pytest.mark.parametrize("case", PATCH_1D_PINS)
+def test_1d_patch_embedding_and_transposed_recovery(ranks4, case):
+    embed, recover = PATCH_1D_PINS[case]
+    x = _randn(2, 3, 32)  # 8 patches of 4: 2 per rank over both axes
+    make = partial(seeded, Patches1D, F64)
+    plan = pinned_plan(make(), (x,), MESH, {"conv1d": inputs_are(*embed), "conv_transpose1d": inputs_are(*recover)})
+    _run(ranks4, make, (x,), plan)
+
+
+def test_transposed_patches_shard_only_whole_patches():
+    """6 patches over 2 x 2 ranks: 3 + 3, then 2 + 1 patches against 12 = 6 + 6 points: refused."""
+    captured = capture(Patches1D(), (torch.empty(2, 3, 24),))
+    annotate(captured.gm, MeshSpec.of(MESH))
+    recover = next(n for n in captured.gm.graph.nodes if n.name == "conv_transpose1d")
+    x_layouts = {format_placements(s.inputs[0]) for s in recover.meta[STRATEGIES]}
+    assert "S(2),R" in x_layouts and "S(2),S(2)" not in x_layouts
+
+
+def test_the_jigsaw_papers_weather_mixer_trains_like_single_device(ranks4):
+    """Its own model, shrunk: 1-D patches with constant fields, concatenated skips, mse_loss; 2 x 2."""
+    sizes = dict(fields=5, lat=4, lon=16, patch=4, dim=6, depth=1)
+    make = partial(seeded, jigsaw_weathermixer.FieldLoss, F64, **sizes)
+    inputs = (_randn(2, 5, 4, 16), _randn(2, 4, 16, 5))
+    whole = autojigsaw.plan(make(), inputs, MESH, device="cpu").memory_per_rank
+    plan = autojigsaw.plan(make(), inputs, MESH, device="cpu", memory_budget=int(0.75 * whole))
+    convs = [plan.node(n) for n in ("conv1d", "conv_transpose1d")]
+    assert not any(c.fallback for c in convs) and all(c.inputs[0] != (R, R) for c in convs), plan
+    _run(ranks4, make, inputs, plan)
 
 
 # ---------------------------------------------------------------- norms over a sharded dim

@@ -42,7 +42,7 @@ def test_budget_too_small_names_largest_tensors():
 
 
 def test_unknown_device():
-    with pytest.raises(ValueError, match=r"unknown device 'tpu'; known: \['a100', 'cpu', 'h100', 'h100-96gb', 'h200'\]"):
+    with pytest.raises(ValueError, match=r"unknown device 'tpu'; known: \['a100', 'a100-40gb', 'cpu', 'h100', 'h100-96gb', 'h200'\]"):
         _plan(device="tpu")
 
 

@@ -28,8 +28,10 @@ from .formulas import Formula, symbols
 
 aten = torch.ops.aten
 
+CONVS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
+TRANSPOSED_CONVS = {aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
 MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
-           aten.baddbmm.default, aten.matmul.default, aten.convolution.default, aten.conv2d.default}
+           aten.baddbmm.default, aten.matmul.default} | CONVS | TRANSPOSED_CONVS
 ATTENTION = {aten.scaled_dot_product_attention.default,
              aten._scaled_dot_product_flash_attention_for_cpu.default,
              aten._scaled_dot_product_flash_attention.default,
@@ -74,8 +76,11 @@ def _attention_dims(ins, outs):
 
 
 _MATMUL_FLOPS = Formula("matmul_flops", 2 * _M * _N * _K, (_M, _N, _K))
+# A convolution: every output element is a dot product over one weight filter, W [Cout, Cin / g, k..].
 _CONV = OpKind("conv", Formula("conv_flops", 2 * _E * _R, (_E, _R)),
                lambda ins, outs: (math.prod(outs[0]), math.prod(ins[1][1:])), 2.0)
+# A transposed convolution scatters every input element through W [Cin, Cout / g, k..].
+_TRANSPOSED_CONV = OpKind("conv", _CONV.flops, lambda ins, outs: (math.prod(ins[0]), math.prod(ins[1][1:])), 2.0)
 _ATTENTION = OpKind("attention", Formula("attention_flops", 2 * _BH * _SQ * _SK * (_D + _DV),
                                          (_BH, _SQ, _SK, _D, _DV)), _attention_dims, 2.5)
 _SOFTMAX = OpKind("softmax", Formula("softmax_flops", 5 * _E, (_E,)),
@@ -87,8 +92,10 @@ _ELEMENTWISE = OpKind("elementwise", Formula("elementwise_flops", _E, (_E,)),
 
 def op_kind(op) -> OpKind:
     """The kind (and so the FLOP formula) of an ATen op."""
-    if op in (aten.convolution.default, aten.conv2d.default):
+    if op in CONVS:
         return _CONV
+    if op in TRANSPOSED_CONVS:
+        return _TRANSPOSED_CONV
     if op in MATMULS:
         return OpKind("matmul", _MATMUL_FLOPS, _matmul_dims(op), 2.0)
     if op in ATTENTION:
@@ -116,7 +123,8 @@ def roofline_time(op_flops, bytes_moved, dtype: torch.dtype, device: DeviceSpec,
     floor = device.kernel_floor_s
     if device.fused_pointwise and kind == "elementwise":
         bytes_moved, floor, memory = op_flops * dtype.itemsize, 0.0, Efficiency(memory.ceiling)
-    values = {"flops": op_flops, "bytes": bytes_moved, "peak": device.peak_flops(dtype),
+    peak = device.matmul_peak(dtype) if kind in _TENSOR_CORE_KINDS else device.peak_flops(dtype)
+    values = {"flops": op_flops, "bytes": bytes_moved, "peak": peak,
               "bandwidth": device.memory_bandwidth, "floor": floor, "ceiling": compute.ceiling,
               "half": compute.half, "memory_ceiling": memory.ceiling, "memory_half": memory.half}
     if isinstance(op_flops, sympy.Basic) or isinstance(bytes_moved, sympy.Basic):

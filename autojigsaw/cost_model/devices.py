@@ -37,6 +37,7 @@ class LinkSpec:
 
 KERNEL_KINDS = ("matmul", "attention", "memory", "optimizer")
 COMPILED = "+compile"  # device name suffix: the spec of a torch.compile'd run (DeviceSpec.compiled)
+TF32 = "+tf32"  # device name suffix: fp32 matmuls run as TF32 on tensor cores (DeviceSpec.with_tf32)
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,14 @@ class DeviceSpec:
     bandwidth in bytes/s per rank per direction); `devices_per_node`; `kernel_floor_s`: the
     shortest a kernel launch takes (s); `tree_all_reduce`: the backend may all-reduce along a
     tree (NCCL yes, gloo no). The specs by name: "h100", "h100-96gb", "h200", "a100",
-    "cpu-gloo" ("cpu"); autojigsaw.calibrate measures one.
+    "a100-40gb", "cpu-gloo" ("cpu"); autojigsaw.calibrate measures one.
     `axis_links` (from calibration) names the measured link of each mesh axis; otherwise an
     axis uses the intra-node link while it spans at most `devices_per_node` ranks.
     `efficiency` gives each kernel kind (KERNEL_KINDS) its Efficiency; a kind not listed runs
     at peak. `fused_pointwise`: the run is torch.compile'd, whose Inductor fuses elementwise
-    ops into their neighbours' kernels (compute.roofline_time prices them so).
+    ops into their neighbours' kernels (compute.roofline_time prices them so). `tf32`: fp32
+    matmuls and convolutions run on tensor cores as TF32, as after
+    `torch.backends.cuda.matmul.allow_tf32 = True` (and cudnn's), at the "tfloat32" peak.
 
         spec = dataclasses.replace(autojigsaw.calibrate(mesh), memory_bytes=40 * 2**30)  # an autojigsaw.DeviceSpec
         plan = autojigsaw.plan(model, (x,), {"tensor": 8}, device=spec)
@@ -100,6 +103,7 @@ class DeviceSpec:
     axis_links: tuple[tuple[str, LinkSpec], ...] = ()  # (mesh axis name, measured link)
     efficiency: tuple[tuple[str, Efficiency], ...] = ()  # (kernel kind, efficiency)
     fused_pointwise: bool = False
+    tf32: bool = False
 
     def __post_init__(self):
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0 or self.devices_per_node < 1:
@@ -117,6 +121,12 @@ class DeviceSpec:
         name = str(dtype).removeprefix("torch.")
         return table.get(name, table.get("float32", next(iter(table.values()))))
 
+    def matmul_peak(self, dtype: torch.dtype) -> float:
+        """Peak FLOP/s of a matmul or convolution in `dtype`: fp32 at the TF32 peak when `tf32` is set."""
+        if self.tf32 and dtype == torch.float32:
+            return dict(self.flops).get("tfloat32", self.peak_flops(dtype))
+        return self.peak_flops(dtype)
+
     def kernel_efficiency(self, kind: str) -> Efficiency:
         """The Efficiency of a kernel kind ("matmul", "attention", "memory", "optimizer")."""
         return dict(self.efficiency).get(kind, _AT_PEAK)
@@ -126,6 +136,14 @@ class DeviceSpec:
         if self.fused_pointwise:
             return self
         return replace(self, name=self.name + COMPILED, fused_pointwise=True)
+
+    def with_tf32(self) -> DeviceSpec:
+        """This device with fp32 matmuls and convolutions on tensor cores, as TF32."""
+        if self.tf32:
+            return self
+        if "tfloat32" not in dict(self.flops):
+            raise ValueError(f"device {self.name!r} has no TF32 peak; its dtypes: {[k for k, _ in self.flops]}")
+        return replace(self, name=self.name + TF32, tf32=True)
 
     def axis_link(self, sizes: tuple[int, ...], axis: int, axis_name: str | None = None) -> LinkSpec:
         """The link a mesh axis crosses: as measured for it, else within or between nodes.
@@ -165,6 +183,8 @@ class DeviceSpec:
                                                                           else "FLOP")) for kind in KERNEL_KINDS]
         if self.fused_pointwise:
             rows.append(("elementwise ops", "fused (torch.compile)"))
+        if self.tf32:
+            rows.append(("fp32 matmuls", "TF32 on tensor cores"))
         return tabulate(rows, headers=[self.name, ""], tablefmt="simple")
 
     def __str__(self) -> str:
@@ -198,6 +218,9 @@ _NVLINK3 = LinkSpec("NVLink 3", 1.0e-6, 235e9)
 _IB_400 = LinkSpec("InfiniBand 400G", 3.0e-6, 45e9)
 # HDR 200 Gb/s per GPU (DGX A100): 25 GB/s per direction, ~22 GB/s measured.
 _IB_200 = LinkSpec("InfiniBand 200G", 3.0e-6, 22e9)
+# Two HDR 200 Gb/s adapters per 4-GPU node (KIT's HoreKa, nhr.kit.edu/userdocs/horeka/hardware):
+# half a NIC per GPU, 12.5 GB/s per direction, ~11 GB/s at the same 90 %.
+_IB_200_HALF = LinkSpec("InfiniBand 200G, one per 2 GPUs", 3.0e-6, 11e9)
 
 _HOPPER_FLOPS = (("float32", 67e12), ("tfloat32", 494.7e12), ("bfloat16", 989.4e12), ("float16", 989.4e12),
                  ("float64", 67e12))  # H100 SXM / H200 datasheets: 1,979 TFLOP/s bf16 with sparsity
@@ -254,6 +277,16 @@ DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=80 * GiB, memory_bandwidth=2.039e12,
         intra_node=_NVLINK3, inter_node=_IB_200, devices_per_node=8, efficiency=_AMPERE_KERNELS,
     ),
+    # A100 SXM4 40 GB HBM2, 1.555 TB/s (datasheet), four to a node: the GPUs of the Jigsaw paper's
+    # runs (KIT's HoreKa "accelerated" nodes, 4x A100-40, nhr.kit.edu/userdocs/horeka/hardware).
+    # The four are linked all-to-all by NVLink 3, priced as the 8-GPU board's ring.
+    "a100-40gb": DeviceSpec(
+        "a100-40gb",
+        flops=(("float32", 19.5e12), ("tfloat32", 156e12), ("bfloat16", 312e12), ("float16", 312e12),
+               ("float64", 19.5e12)),
+        memory_bytes=40 * GiB, memory_bandwidth=1.555e12,
+        intra_node=_NVLINK3, inter_node=_IB_200_HALF, devices_per_node=4, efficiency=_AMPERE_KERNELS,
+    ),
     # The CI machine (2 shared cores, 1 thread per rank, gloo on 127.0.0.1), rounded: what the tests
     # plan with. Quiet, calibrate measures 0.1 TFLOP/s fp32 per rank (0.05 with 4 ranks on the 2
     # cores) and 33 GB/s. Links: benchmarks/gloo_links.py (all-gathers and all-reduces of 1 KiB ..
@@ -276,18 +309,21 @@ ALIASES = {"cpu": "cpu-gloo"}
 
 
 def device_spec(device: str | DeviceSpec) -> DeviceSpec:
-    """A DeviceSpec by name ("h100", "h100-96gb", "h200", "a100", "cpu-gloo" or "cpu"), or the spec itself.
+    """A DeviceSpec by name ("h100", "h100-96gb", "h200", "a100", "a100-40gb", "cpu-gloo" or "cpu"), or the spec.
 
-    A name ending in "+compile" ("h100+compile") is that device running a torch.compile'd step.
+    A name ending in "+compile" ("h100+compile") is that device running a torch.compile'd step;
+    one ending in "+tf32" ("a100+tf32") runs fp32 matmuls as TF32. Both may be given.
     """
     if isinstance(device, DeviceSpec):
         return device
     key = str(device).lower().removeprefix("nvidia-")
     if key.endswith(COMPILED):
         return device_spec(key.removesuffix(COMPILED)).compiled()
+    if key.endswith(TF32):
+        return device_spec(key.removesuffix(TF32)).with_tf32()
     key = ALIASES.get(key, key)
     if key not in DEVICES:
         short = sorted(next((a for a, k in ALIASES.items() if k == name), name) for name in DEVICES)
         raise ValueError(f"unknown device {device!r}; known: {short} ('cpu' is 'cpu-gloo'; add '{COMPILED}' "
-                         "for a torch.compile'd step), or pass a DeviceSpec such as autojigsaw.calibrate(mesh) returns")
+                         f"for a torch.compile'd step, '{TF32}' for fp32 matmuls as TF32), or pass a DeviceSpec such as autojigsaw.calibrate(mesh) returns")
     return DEVICES[key]

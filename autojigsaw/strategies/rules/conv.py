@@ -1,13 +1,14 @@
-"""Rules for 2-D convolutions, patch embeddings above all: batch, channel and spatial sharding.
+"""Rules for convolutions, patch embeddings and recoveries above all: batch, channel, spatial sharding.
 
-Per mesh axis, for Y = conv2d(X, W, b) with X [B, Cin, H, W], W [Cout, Cin / groups, kh, kw]:
+Per mesh axis, for Y = conv(X, W, b) with X [B, Cin, *spatial] (1-, 2- or 3-D), W [Cout, Cin / groups, *k]:
   batch    X Shard(0), W and b Replicate               -> Y Shard(0)
   out      X Replicate, W Shard(0), b Shard(0)          -> Y Shard(1)   (groups == 1)
   in       X Shard(1), W Shard(1), b Partial            -> Y Partial    (groups == 1)
-  spatial  X Shard(2 or 3), W and b Replicate           -> Y the same dim
-Spatial sharding needs no halo: only for a patch embedding (stride == kernel, no padding or
-dilation) whose shard boundaries fall on patch boundaries on every rank, as they do when
-the patch rows (columns) divide evenly over the axes that shard them.
+  spatial  X Shard(d), W and b Replicate                -> Y Shard(d)
+A transposed convolution's W is [Cin, Cout / groups, *k]: its "out" shards W's dim 1 and its
+"in" W's dim 0. Spatial sharding needs no halo: only for patches (stride == kernel, no padding,
+output padding or dilation), and only where every rank's shard boundaries fall on patch
+boundaries, as they do when the patches divide evenly over the axes that shard them.
 """
 
 from __future__ import annotations
@@ -25,16 +26,20 @@ aten = torch.ops.aten
 R = Replicate()
 
 
-@register(aten.conv2d.default, aten.convolution.default)
-def conv2d(node, mesh, candidates):
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+_TRANSPOSED = (aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input)
+
+
+@register(*_CONVS, *_TRANSPOSED, aten.convolution.default)
+def conv(node, mesh, candidates):
     x, w = node.args[0].meta["val"], node.args[1].meta["val"]
     y = node.meta["val"]
-    if x.ndim != 4:
-        return None  # conv1d / conv3d through convolution.default: DTensor's rule
-    stride, padding, dilation, transposed, groups = _conv_args(node)
+    stride, padding, dilation, transposed, groups, output_padding = _conv_args(node)
     has_bias = len(candidates) == 3
-    patches = [d for d in (2, 3) if _is_patch_dim(w.shape[d], stride[d - 2], padding[d - 2],
-                                                  dilation[d - 2], transposed)]
+    spatial = range(2, x.ndim)
+    patches = [d for d in spatial if w.shape[d] == stride[d - 2] and padding[d - 2] == 0
+               and dilation[d - 2] == 1 and output_padding[d - 2] == 0]
+    w_out, w_in = (1, 0) if transposed else (0, 1)  # the weight dims of out and in channels
 
     def options(n):
         opts = [AxisOption((R, R, R), (R,))]
@@ -42,55 +47,56 @@ def conv2d(node, mesh, candidates):
             return opts
         if x.shape[0] >= n:
             opts.append(AxisOption((Shard(0), R, R), (Shard(0),), note="batch"))
-        if groups == 1 and not transposed:
-            if w.shape[0] >= n:
-                opts.append(AxisOption((R, Shard(0), Shard(0)), (Shard(1),), note="out channels"))
+        if groups == 1:
+            if w.shape[w_out] >= n:
+                opts.append(AxisOption((R, Shard(w_out), Shard(0)), (Shard(1),), note="out channels"))
             if x.shape[1] >= n:
-                opts.append(AxisOption((Shard(1), Shard(1), Partial()), (Partial(),),
-                                       note="in channels"))
-        opts += [AxisOption((Shard(d), R, R), (Shard(d),), note="patches")
-                 for d in patches if y.shape[d] >= n]
+                opts.append(AxisOption((Shard(1), Shard(w_in), Partial()), (Partial(),), note="in channels"))
+        opts += [AxisOption((Shard(d), R, R), (Shard(d),), note="patches") for d in patches if y.shape[d] >= n]
         return opts
 
     found = per_axis(mesh, lambda n: trim_options(options(n), has_bias))
-    return [s for s in found if _patches_align(s.inputs[0], x.shape, y.shape, w.shape, mesh)
+    # the side with more points holds `kernel` of them per point of the other
+    fine, coarse = (y.shape, x.shape) if transposed else (x.shape, y.shape)
+    return [s for s in found if _patches_align(s.inputs[0], fine, coarse, w.shape, mesh)
             and _no_empty_shard(s.inputs[0], s.inputs[1], x.shape, w.shape, mesh)]
 
 
 def _conv_args(node):
-    """(stride, padding, dilation, transposed, groups) of conv2d or convolution, defaults filled."""
+    """(stride, padding, dilation, transposed, groups, output_padding), one entry per spatial dim."""
     args = list(node.args) + [None] * 9
-    if node.target is aten.conv2d.default:
-        stride, padding, dilation, groups = (args[3] or [1, 1], args[4] or [0, 0],
-                                             args[5] or [1, 1], args[6] or 1)
-        transposed = False
-    else:
-        stride, padding, dilation, transposed, groups = args[3], args[4], args[5], args[6], args[8]
+    n = node.args[0].meta["val"].ndim - 2
+    if node.target in _CONVS:  # (x, w, b, stride, padding, dilation, groups)
+        stride, padding, dilation, transposed, groups, output_padding = args[3], args[4], args[5], False, args[6], 0
+    elif node.target in _TRANSPOSED:  # (x, w, b, stride, padding, output_padding, groups, dilation)
+        stride, padding, output_padding, groups, dilation, transposed = args[3:8] + [True]
+    else:  # convolution: (x, w, b, stride, padding, dilation, transposed, output_padding, groups)
+        stride, padding, dilation, transposed, output_padding, groups = args[3:9]
     if isinstance(padding, str):  # "valid" or "same"
-        padding = [0, 0] if padding == "valid" else [None, None]
-    return [_pair(stride), _pair(padding), _pair(dilation), bool(transposed), groups]
+        padding = 0 if padding == "valid" else None
+    return [_per_dim(stride, 1, n), _per_dim(padding, 0, n), _per_dim(dilation, 1, n), bool(transposed),
+            groups or 1, _per_dim(output_padding, 0, n)]
 
 
-def _pair(v):
-    return list(v) * 2 if len(v) == 1 else list(v)
+def _per_dim(v, default, n: int) -> list:
+    """A conv argument as one entry per spatial dim (given as None, one int, or one per dim)."""
+    if v is None or isinstance(v, int):
+        return [default if v is None else v] * n
+    return list(v) * n if len(v) == 1 else list(v)
 
 
-def _is_patch_dim(kernel: int, stride: int, padding, dilation: int, transposed: bool) -> bool:
-    return not transposed and kernel == stride and padding == 0 and dilation == 1
-
-
-def _patches_align(x_pl, x_shape, y_shape, w_shape, mesh) -> bool:
-    """Does every shard of a spatial dim of X hold whole patches, exactly those of Y's shard?"""
-    for d in (2, 3):
+def _patches_align(x_pl, fine_shape, coarse_shape, w_shape, mesh) -> bool:
+    """Does every shard of a patched dim hold whole patches, exactly those of the other side's shard?"""
+    for d in range(2, len(fine_shape)):
         parts = [n for p, n in zip(x_pl, mesh.sizes) if p == Shard(d) and n > 1]
-        if parts and not _aligned(x_shape[d], y_shape[d], w_shape[d], parts):
+        if parts and not _aligned(fine_shape[d], coarse_shape[d], w_shape[d], parts):
             return False
     return True
 
 
 def _no_empty_shard(x_pl, w_pl, x_shape, w_shape, mesh) -> bool:
-    """Does every rank hold a channel and a pixel of X and a channel of W? torch.chunk leaves the
-    last ranks none when a dim is small (6 over 4: 2, 2, 2, 0), and conv2d refuses an empty one."""
+    """Does every rank hold a channel and a point of X and a slice of W's channels? torch.chunk leaves
+    the last ranks none when a dim is small (6 over 4: 2, 2, 2, 0), and a convolution refuses an empty one."""
     for coord in itertools.product(*map(range, mesh.sizes)):
         if min(local_shape(x_shape, x_pl, mesh.sizes, coord)[1:]) == 0:
             return False
