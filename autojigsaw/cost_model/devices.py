@@ -250,6 +250,8 @@ _HOPPER_KERNELS = (("matmul", _HOPPER_GEMM), ("attention", _HOPPER_ATTENTION), (
 # Hopper (no size table for sm_80 found). FlashAttention-2 on A100: forward up to 73 %, backward
 # up to 63 % of peak (Dao, arXiv 2307.08691); backward runs 2.5x the forward FLOPs, so the pass
 # as a whole: 3.5 / (1 / 0.73 + 2.5 / 0.63) = 0.655.
+_AMPERE_FLOPS = (("float32", 19.5e12), ("tfloat32", 156e12), ("bfloat16", 312e12), ("float16", 312e12),
+                 ("float64", 19.5e12))  # A100 SXM datasheet (40 and 80 GB alike)
 _AMPERE_KERNELS = (("matmul", Efficiency(267.9 / 312, 6.0e-6 * 267.9e12)),
                    ("attention", Efficiency(0.655, 6.0e-6 * 0.655 * 312e12)),
                    ("memory", _STREAM), ("optimizer", _STREAM))
@@ -272,8 +274,7 @@ DEVICES: dict[str, DeviceSpec] = {
     # A100 SXM4 80 GB HBM2e, 2.039 TB/s (datasheet).
     "a100": DeviceSpec(
         "a100",
-        flops=(("float32", 19.5e12), ("tfloat32", 156e12), ("bfloat16", 312e12), ("float16", 312e12),
-               ("float64", 19.5e12)),
+        flops=_AMPERE_FLOPS,
         memory_bytes=80 * GiB, memory_bandwidth=2.039e12,
         intra_node=_NVLINK3, inter_node=_IB_200, devices_per_node=8, efficiency=_AMPERE_KERNELS,
     ),
@@ -282,8 +283,7 @@ DEVICES: dict[str, DeviceSpec] = {
     # The four are linked all-to-all by NVLink 3, priced as the 8-GPU board's ring.
     "a100-40gb": DeviceSpec(
         "a100-40gb",
-        flops=(("float32", 19.5e12), ("tfloat32", 156e12), ("bfloat16", 312e12), ("float16", 312e12),
-               ("float64", 19.5e12)),
+        flops=_AMPERE_FLOPS,
         memory_bytes=40 * GiB, memory_bandwidth=1.555e12,
         intra_node=_NVLINK3, inter_node=_IB_200_HALF, devices_per_node=4, efficiency=_AMPERE_KERNELS,
     ),
