@@ -10,7 +10,7 @@ import torch
 import autojigsaw
 from autojigsaw.cost_model.comm import RING, TREE_ALL_REDUCE, collective_time
 from autojigsaw.ir import bytes_sent
-from autojigsaw.cost_model.compute import flops, op_kind
+from autojigsaw.cost_model.compute import flops, kind_name, op_kind, roofline_time
 from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.formulas import scaling
 from autojigsaw.cost_model.memory import saved_for_backward
@@ -77,6 +77,25 @@ def test_patch_convolutions_cost_their_equivalent_linears():
     recover = flops(aten.conv_transpose1d.default, [(1, 64, 20), (64, 69, 60), (69,)], [(1, 69, 1200)])
     assert recover == flops(aten.linear.default, [(20, 64), (69 * 60, 64)], [(20, 69 * 60)])
     assert {op_kind(op).name for op in (aten.conv1d.default, aten.conv3d.default, aten.conv_transpose2d.input)} == {"conv"}
+
+
+def test_patch_convolutions_stay_on_cuda_cores_under_tf32():
+    """TF32 speeds up a sliding convolution but not a patchwise one; bf16 prices both as GEMMs."""
+    aten = torch.ops.aten
+    patch = (aten.conv1d.default, [(1, 72, 1200), (32, 72, 60)], [(1, 32, 20)])
+    recover = (aten.conv_transpose1d.default, [(1, 64, 20), (64, 69, 60)], [(1, 69, 1200)])
+    sliding = (aten.conv2d.default, [(8, 64, 32, 32), (64, 64, 3, 3)], [(8, 64, 32, 32)])
+    pointwise = (aten.conv2d.default, [(8, 64, 32, 32), (64, 64, 1, 1)], [(8, 64, 32, 32)])
+    assert [kind_name(*c) for c in (patch, recover, sliding, pointwise)] == ["patch_conv", "patch_conv", "conv", "conv"]
+    fp32, tf32 = device_spec("a100-40gb"), device_spec("a100-40gb+tf32")
+
+    def time(case, dtype, device):
+        return roofline_time(1e12, 1e6, dtype, device, kind_name(*case))
+
+    assert time(patch, torch.float32, tf32) == time(patch, torch.float32, fp32)
+    assert time(recover, torch.float32, tf32) == time(recover, torch.float32, fp32)
+    assert time(sliding, torch.float32, tf32) == pytest.approx(time(sliding, torch.float32, fp32) * 19.5 / 156)
+    assert time(patch, torch.bfloat16, fp32) == time(sliding, torch.bfloat16, fp32)
 
 
 def test_what_ops_save_for_backward():

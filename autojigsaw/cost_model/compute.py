@@ -49,7 +49,13 @@ _CEIL, _HALF, _MCEIL, _MHALF = symbols("ceiling half memory_ceiling memory_half"
 ROOFLINE = Formula("kernel_time", sympy.Max((_F + _HALF) / (_CEIL * _PEAK), (_BYTES + _MHALF) / (_MCEIL * _BW),
                                             _FLOOR),
                    (_F, _BYTES, _PEAK, _BW, _FLOOR, _CEIL, _HALF, _MCEIL, _MHALF))
-_TENSOR_CORE_KINDS = {"matmul": "matmul", "conv": "matmul", "attention": "attention"}
+_TENSOR_CORE_KINDS = {"matmul": "matmul", "conv": "matmul", "patch_conv": "matmul", "attention": "attention"}
+# A convolution over non-overlapping patches (stride == kernel, no padding) does not reach TF32
+# tensor cores through cuDNN: priced at the fp32 peak even on a "+tf32" spec. On the Jigsaw
+# paper's runs (benchmarks/jigsaw_runs.py) TF32 step times come out 1.7-3.8x optimistic without
+# this and 1.0-1.2x (as fp32's) with it. Patch convolutions are cuDNN's known weak case: vLLM,
+# transformers (PR 45041) and sglang-omni (PRs 132, 539) replace them with a GEMM.
+_CUDA_CORE_UNDER_TF32 = {"patch_conv"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,21 @@ def op_kind(op) -> OpKind:
     return _ELEMENTWISE
 
 
+def _patchwise(op, ins: list[Shape], outs: list[Shape]) -> bool:
+    """Is this convolution over non-overlapping patches (stride == kernel > 1, no padding)?"""
+    kernel = tuple(ins[1][2:])
+    if not kernel or max(kernel) < 2 or not outs:
+        return False
+    small, large = (ins[0], outs[0]) if op in TRANSPOSED_CONVS else (outs[0], ins[0])
+    return all(s * k == big for s, k, big in zip(small[-len(kernel):], kernel, large[-len(kernel):]))
+
+
+def kind_name(op, in_shapes: list[tuple[int, ...]], out_shapes: list[tuple[int, ...]]) -> str:
+    """The op's kind for roofline_time, given its global shapes: a patchwise convolution is "patch_conv"."""
+    name = op_kind(op).name
+    return "patch_conv" if name == "conv" and _patchwise(op, in_shapes, out_shapes) else name
+
+
 def flops(op, in_shapes: list[Shape], out_shapes: list[Shape]):
     """FLOPs of `op` given its local input and output shapes (a multiply-add counts 2)."""
     kind = op_kind(op)
@@ -123,7 +144,8 @@ def roofline_time(op_flops, bytes_moved, dtype: torch.dtype, device: DeviceSpec,
     floor = device.kernel_floor_s
     if device.fused_pointwise and kind == "elementwise":
         bytes_moved, floor, memory = op_flops * dtype.itemsize, 0.0, Efficiency(memory.ceiling)
-    peak = device.matmul_peak(dtype) if kind in _TENSOR_CORE_KINDS else device.peak_flops(dtype)
+    tensor_core = kind in _TENSOR_CORE_KINDS and kind not in _CUDA_CORE_UNDER_TF32
+    peak = device.matmul_peak(dtype) if tensor_core else device.peak_flops(dtype)
     values = {"flops": op_flops, "bytes": bytes_moved, "peak": peak,
               "bandwidth": device.memory_bandwidth, "floor": floor, "ceiling": compute.ceiling,
               "half": compute.half, "memory_ceiling": memory.ceiling, "memory_half": memory.half}

@@ -26,7 +26,7 @@ from ..mesh import MeshSpec
 from ..placements import Placements, local_shape
 from ..training import Regime, data_axes
 from .comm import collective_time
-from .compute import memory_time, op_kind, roofline_time
+from .compute import kind_name, memory_time, op_kind, roofline_time
 from .devices import DeviceSpec
 from .liveness import ParamMemory
 from .memory import OPTIMIZERS, Optimizer, is_view
@@ -130,9 +130,10 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
 
 def _default_times(node: Node, strategies: tuple[Strategy, ...], ctx: CostContext, grad: bool) -> np.ndarray:
     sizes = ctx.mesh.sizes
-    in_shapes, nbytes = [], 0.0
+    in_shapes, global_in, nbytes = [], [], 0.0
     for j, (src, i) in enumerate(tensor_inputs(node)):
         val = output_values(src)[i]
+        global_in.append(tuple(val.shape))
         local = _local(tuple(val.shape), tuple(s.inputs[j] for s in strategies), sizes)
         in_shapes.append(_columns(local))
         nbytes = nbytes + np.prod(local, axis=1) * val.dtype.itemsize
@@ -147,7 +148,9 @@ def _default_times(node: Node, strategies: tuple[Strategy, ...], ctx: CostContex
     kind = op_kind(node.target)
     n = len(strategies)
     flops = np.broadcast_to(np.asarray(kind.flops(*kind.dims(in_shapes, out_shapes)), dtype=float), (n,))
-    t = roofline_time(flops, np.broadcast_to(np.asarray(nbytes, dtype=float), (n,)), dtype, ctx.device, kind.name)
+    global_out = [tuple(v.shape) for v in output_values(node) if v is not None]
+    t = roofline_time(flops, np.broadcast_to(np.asarray(nbytes, dtype=float), (n,)), dtype, ctx.device,
+                      kind_name(node.target, global_in, global_out))
     if ctx.training and grad:
         t = t * (1.0 + kind.backward)
     return np.asarray(t, dtype=float)

@@ -23,7 +23,7 @@ from ..ir import Strategy, output_values, tensor_inputs
 from ..mesh import MeshSpec
 from ..placements import Placements
 from .comm import RING, TREE_ALL_REDUCE
-from .compute import op_kind, roofline_time
+from .compute import kind_name, op_kind, roofline_time
 from .devices import DeviceSpec
 
 
@@ -107,8 +107,10 @@ def node_formula(node: Node, strategy: Strategy, sizes: Sizes, device: DeviceSpe
     kind = op_kind(node.target)
     flops = sympy.simplify(kind.flops.expr.subs(dict(zip(kind.flops.args, kind.dims(ins, outs)))))
     dtype = next((v.dtype for v in output_values(node) if v is not None), torch.float32)
-    time = roofline_time(flops, nbytes, dtype, device, kind.name)
-    return NodeFormula(kind.name, flops, sympy.simplify(nbytes), time, kind.backward if backward else 0.0)
+    name = kind_name(node.target, [tuple(output_values(s)[o].shape) for s, o in tensor_inputs(node)],
+                     [tuple(v.shape) for v in output_values(node) if v is not None])
+    time = roofline_time(flops, nbytes, dtype, device, name)
+    return NodeFormula(name, flops, sympy.simplify(nbytes), time, kind.backward if backward else 0.0)
 
 
 def collective_formula(kind: str, input_bytes: sympy.Expr, axis: int, sizes: Sizes, device: DeviceSpec) -> sympy.Expr:
