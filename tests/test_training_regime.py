@@ -20,6 +20,7 @@ from autojigsaw import Plan
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.cost_model.liveness import ParamMemory
 from autojigsaw.cost_model.memory import saved_for_backward
+from autojigsaw.planner.milp import SolverTimeout
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .side_by_side import build, loss_of
@@ -104,6 +105,29 @@ def test_auto_recomputes_only_when_the_budget_asks():
     assert some.step_time <= plan("full", memory_budget=budget).step_time
     tight = plan("auto", memory_budget=int(0.5 * none.memory_per_rank))
     assert {policy for _, policy in tight.recompute} == {"full"}
+
+
+def test_a_recomputation_variant_out_of_time_keeps_the_others_plans(monkeypatch):
+    """'auto' solves several variants; one that hits the time limit warns and counts as not
+    fitting, instead of failing the plan. If every variant runs out, the time limit is the error."""
+    real, calls, none = autojigsaw.api.solve, [], _plan("none")
+
+    def slow_after(n: int):
+        def solve(problem, budget):
+            calls.append(problem)
+            if len(calls) > n:
+                raise SolverTimeout("the planner found no plan within its time limit of 1 s")
+            return real(problem, budget)
+        return solve
+
+    monkeypatch.setattr(autojigsaw.api, "solve", slow_after(1))
+    with pytest.warns(UserWarning, match=r"ran out of time on 2 layers selective, 2 layers full"):
+        plan = _plan("auto")
+    assert plan.recompute == () and plan.fingerprint() == none.fingerprint()
+    calls.clear()
+    monkeypatch.setattr(autojigsaw.api, "solve", slow_after(0))
+    with pytest.raises(SolverTimeout, match="time limit"):
+        _plan("auto")
 
 
 def test_a_product_with_a_constant_saves_only_the_constant():

@@ -167,7 +167,7 @@ class _Model:
                      options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "presolve": False})
         if exact.x is None:
             if exact.status == 1:
-                raise ValueError(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
+                raise SolverTimeout(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
                                  "give tie_layers=True (one choice per repeated layer), a larger "
                                  "memory_budget, or a smaller mesh")
             self._branched[key] = None
@@ -179,6 +179,10 @@ class _Model:
         if exact.status != 1:
             self._branched[key] = (x, float(exact.fun))
         return x, float(exact.fun)
+
+
+class SolverTimeout(ValueError):
+    """The solver's time limit came before it found any plan that fits."""
 
 
 def _integral(x: np.ndarray) -> bool:

@@ -6,11 +6,13 @@ again; which k does not matter for the peak, only how many, and earlier layers' 
 live longest. "auto" solves the sharding for no recomputation, and for each policy at the
 fewest layers that fit (bisection: fitting is monotone in k) and at every layer, and keeps
 the fastest plan: recomputation is chosen per layer, jointly with the sharding, in a handful
-of MILPs.
+of MILPs. A variant whose solve runs out of time counts as not fitting, with a warning, so
+that one hard variant does not lose the plans of the others.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -18,7 +20,7 @@ from torch.fx import Node
 
 from ..cost_model.estimate import EdgeCosts
 from ..cost_model.recompute import Layer, recompute_time, recomputed_nodes, repeated_layers, with_recompute
-from .milp import Solution
+from .milp import Solution, SolverTimeout
 from .problem import Problem
 
 POLICIES = ("selective", "full")
@@ -39,14 +41,20 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
     layers = repeated_layers(nodes, params)
     if policy == "none" or not layers:
         return Recomputed(problem, solve(problem, budget))
+    timeouts: list[tuple[str, SolverTimeout]] = []
 
     def attempt(pol: str, k: int) -> Recomputed:
-        p, chosen = variant(problem, nodes, layers, pol, k)
-        return Recomputed(p, solve(p, budget), chosen)
+        p, chosen = variant(problem, nodes, layers, pol, k) if k else (problem, ())
+        try:
+            return Recomputed(p, solve(p, budget), chosen)
+        except SolverTimeout as e:
+            timeouts.append((f"{k} layers {pol}" if k else "no recomputation", e))
+            return Recomputed(p, None, chosen)
 
     if policy in POLICIES:
-        return attempt(policy, len(layers))
-    tried = [Recomputed(problem, solve(problem, budget))]
+        p, chosen = variant(problem, nodes, layers, policy, len(layers))
+        return Recomputed(p, solve(p, budget), chosen)
+    tried = [attempt("none", 0)]
     for pol in POLICIES:
         every = attempt(pol, len(layers))
         tried.append(every)
@@ -62,6 +70,12 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
                 lo = mid
         tried.append(best)
     feasible = [r for r in tried if r.solution is not None]
+    if timeouts and not feasible:
+        raise timeouts[0][1]
+    if timeouts:
+        warnings.warn("planner: activation_checkpointing='auto' ran out of time on "
+                      + ", ".join(name for name, _ in timeouts)
+                      + "; the plan is the fastest of the variants it solved", stacklevel=3)
     return min(feasible, key=lambda r: r.solution.objective) if feasible else tried[0]
 
 
