@@ -113,11 +113,11 @@ def test_a_recomputation_variant_out_of_time_keeps_the_others_plans(monkeypatch)
     real, calls, none = autojigsaw.api.solve, [], _plan("none")
 
     def slow_after(n: int):
-        def solve(problem, budget):
+        def solve(problem, budget, **kw):
             calls.append(problem)
             if len(calls) > n:
                 raise SolverTimeout("the planner found no plan within its time limit of 1 s")
-            return real(problem, budget)
+            return real(problem, budget, **kw)
         return solve
 
     monkeypatch.setattr(autojigsaw.api, "solve", slow_after(1))

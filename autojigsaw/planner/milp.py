@@ -385,11 +385,20 @@ class _Builder:
         return np.array([int(np.argmax(x[self.offsets[g]:self.offsets[g + 1]])) for g in range(len(self.sizes))])
 
 
-def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0) -> Solution | None:
-    """The strategy per node minimizing predicted step time with peak memory <= budget; None if none fits."""
+def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
+          known_cuts: tuple[int, ...] = ()) -> Solution | None:
+    """The strategy per node minimizing predicted step time with peak memory <= budget; None if none fits.
+
+    `known_cuts`: program points whose memory rows a similar problem needed (a recomputation
+    variant of this one), added up front: each is exact, and each found again costs a solve.
+    """
     start = time.perf_counter()
     builder = _Builder(problem, budget)
     cuts: list[int] = []
+    if budget is not None:
+        for point in known_cuts:
+            builder.add_memory_row(point)
+            cuts.append(point)
     candidates = problem.memory.peak_candidates()
     solves, prove = 0, budget is None
     while True:

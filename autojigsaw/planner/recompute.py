@@ -36,17 +36,20 @@ class Recomputed:
 
 
 def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, str], policy: str,
-                         budget: float | None, solve: Callable[[Problem, float | None], Solution | None]) -> Recomputed:
+                         budget: float | None, solve: Callable[..., Solution | None]) -> Recomputed:
     """The best plan under `policy` ("none", "selective", "full" or "auto")."""
     layers = repeated_layers(nodes, params)
     if policy == "none" or not layers:
         return Recomputed(problem, solve(problem, budget))
     timeouts: list[tuple[str, SolverTimeout]] = []
+    cuts: dict[int, None] = {}  # the memory rows earlier variants needed, in the order found
 
     def attempt(pol: str, k: int) -> Recomputed:
         p, chosen = variant(problem, nodes, layers, pol, k) if k else (problem, ())
         try:
-            return Recomputed(p, solve(p, budget), chosen)
+            solution = solve(p, budget, known_cuts=tuple(cuts))
+            cuts.update(dict.fromkeys(solution.cuts if solution else ()))
+            return Recomputed(p, solution, chosen)
         except SolverTimeout as e:
             timeouts.append((f"{k} layers {pol}" if k else "no recomputation", e))
             return Recomputed(p, None, chosen)
