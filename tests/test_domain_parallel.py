@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
 from autojigsaw.ir import STRATEGIES
+from autojigsaw.kernels.patch_gemm import patch_conv, patch_conv_transpose
 from autojigsaw.strategies.annotate import annotate
 from autojigsaw.capture import capture
 from autojigsaw.mesh import MeshSpec
@@ -98,13 +99,58 @@ PATCH_1D_PINS = {  # (conv1d's inputs, conv_transpose1d's inputs); 5 channels sp
 }
 
 
+def _running(kernel: str, pin):
+    """A pin that also names the kernel: the convolution itself ("local") or "patch_gemm"."""
+    return lambda s: pin(s) and s.kernel == kernel
+
+
+@pytest.mark.parametrize("kernel", ["local", "patch_gemm"])
 @pytest.mark.parametrize("case", PATCH_1D_PINS)
-def test_1d_patch_embedding_and_transposed_recovery(ranks4, case):
+def test_1d_patch_embedding_and_transposed_recovery(ranks4, case, kernel):
     embed, recover = PATCH_1D_PINS[case]
     x = _randn(2, 3, 32)  # 8 patches of 4: 2 per rank over both axes
     make = partial(seeded, Patches1D, F64)
-    plan = pinned_plan(make(), (x,), MESH, {"conv1d": inputs_are(*embed), "conv_transpose1d": inputs_are(*recover)})
-    _run(ranks4, make, (x,), plan)
+    plan = pinned_plan(make(), (x,), MESH, {"conv1d": _running(kernel, inputs_are(*embed)),
+                                            "conv_transpose1d": _running(kernel, inputs_are(*recover))})
+    _run(ranks4, make, (x,), plan, kernel=None if kernel == "local" else "patch_conv")
+
+
+def test_patch_gemm_is_offered_for_whole_patches_only():
+    """Whole, ungrouped patches: the convolution and the GEMM, with the same layouts; a sliding,
+    a grouped or a remainder-dropping convolution: the convolution alone."""
+    def kernels(conv, x):
+        captured = capture(conv, (x,))
+        annotate(captured.gm, MeshSpec.of(MESH))
+        node = next(n for n in captured.gm.graph.nodes if "conv" in n.name)
+        by_kernel = {}
+        for s in node.meta[STRATEGIES]:
+            by_kernel.setdefault(s.kernel, set()).add((s.inputs, s.outputs))
+        return by_kernel
+
+    whole = kernels(nn.Conv2d(4, 6, 2, stride=2), torch.empty(2, 4, 8, 6))
+    assert set(whole) == {"local", "patch_gemm"} and whole["local"] == whole["patch_gemm"]
+    assert set(kernels(nn.ConvTranspose1d(4, 6, 3, stride=3), torch.empty(2, 4, 8))) == {"local", "patch_gemm"}
+    assert set(kernels(nn.Conv2d(4, 6, 3, padding=1), torch.empty(2, 4, 8, 6))) == {"local"}
+    assert set(kernels(nn.Conv1d(4, 6, 2, stride=2, groups=2), torch.empty(2, 4, 8))) == {"local"}
+    assert set(kernels(nn.Conv1d(4, 6, 3, stride=3), torch.empty(2, 4, 8))) == {"local"}  # 8 = 2 x 3 + 2
+
+
+def test_patch_gemm_matches_the_convolution():
+    """Forward and gradients of the patch GEMM equal those of torch's convolutions, 1- to 3-D."""
+    g = torch.Generator().manual_seed(0)
+    for n, (kernel, grid) in enumerate((((3,), (5,)), ((3, 2), (5, 3)), ((3, 2, 4), (2, 3, 2))), start=1):
+        x = torch.randn(2, 6, *[a * k for a, k in zip(grid, kernel)], generator=g, dtype=F64, requires_grad=True)
+        coarse = torch.randn(2, 7, *grid, generator=g, dtype=F64, requires_grad=True)
+        w = torch.randn(7, 6, *kernel, generator=g, dtype=F64, requires_grad=True)
+        b7, b6 = (torch.randn(c, generator=g, dtype=F64, requires_grad=True) for c in (7, 6))
+        conv, transposed = getattr(nn.functional, f"conv{n}d"), getattr(nn.functional, f"conv_transpose{n}d")
+        for fn, ref, args in ((patch_conv, partial(conv, stride=kernel), (x, w, b7)),
+                              (patch_conv_transpose, partial(transposed, stride=kernel), (coarse, w, b6)),
+                              (patch_conv, partial(conv, stride=kernel), (x, w))):
+            want, got = ref(*args), fn(*args)
+            torch.testing.assert_close(got, want)
+            grad = torch.randn(want.shape, generator=g, dtype=F64)
+            torch.testing.assert_close(torch.autograd.grad(got, args, grad), torch.autograd.grad(want, args, grad))
 
 
 def test_transposed_patches_shard_only_whole_patches():

@@ -50,12 +50,14 @@ ROOFLINE = Formula("kernel_time", sympy.Max((_F + _HALF) / (_CEIL * _PEAK), (_BY
                                             _FLOOR),
                    (_F, _BYTES, _PEAK, _BW, _FLOOR, _CEIL, _HALF, _MCEIL, _MHALF))
 _TENSOR_CORE_KINDS = {"matmul": "matmul", "conv": "matmul", "patch_conv": "matmul", "attention": "attention"}
-# A convolution over non-overlapping patches (stride == kernel, no padding) does not reach TF32
-# tensor cores through cuDNN: priced at the fp32 peak even on a "+tf32" spec. On the Jigsaw
-# paper's runs (benchmarks/jigsaw_runs.py) TF32 step times come out 1.7-3.8x optimistic without
-# this and 1.0-1.2x (as fp32's) with it. Patch convolutions are cuDNN's known weak case: vLLM,
-# transformers (PR 45041) and sglang-omni (PRs 132, 539) replace them with a GEMM.
-_CUDA_CORE_UNDER_TF32 = {"patch_conv"}
+# A convolution over non-overlapping patches (stride == kernel, no padding) through cuDNN is
+# priced at the fp32 CUDA-core peak, whatever its dtype. Measured for TF32: on the Jigsaw paper's
+# runs (benchmarks/jigsaw_runs.py) TF32 step times come out 1.7-3.8x optimistic priced at the
+# tensor-core rate and 0.94-1.11x at this one. bf16 patch Conv3d is reported slower still
+# (transformers issue 45750, sglang-omni PR 539); bf16 1-D and 2-D ones are unmeasured. vLLM and
+# transformers run patch convolutions as GEMMs, and so does autojigsaw (kernel "patch_gemm"),
+# so this price only decides between the two.
+_CUDA_CORE_KINDS = {"patch_conv"}
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,10 @@ def roofline_time(op_flops, bytes_moved, dtype: torch.dtype, device: DeviceSpec,
     floor = device.kernel_floor_s
     if device.fused_pointwise and kind == "elementwise":
         bytes_moved, floor, memory = op_flops * dtype.itemsize, 0.0, Efficiency(memory.ceiling)
-    tensor_core = kind in _TENSOR_CORE_KINDS and kind not in _CUDA_CORE_UNDER_TF32
-    peak = device.matmul_peak(dtype) if tensor_core else device.peak_flops(dtype)
+    if kind in _CUDA_CORE_KINDS:
+        peak = min(device.peak_flops(dtype), device.peak_flops(torch.float32))
+    else:
+        peak = device.matmul_peak(dtype) if kind in _TENSOR_CORE_KINDS else device.peak_flops(dtype)
     values = {"flops": op_flops, "bytes": bytes_moved, "peak": peak,
               "bandwidth": device.memory_bandwidth, "floor": floor, "ceiling": compute.ceiling,
               "half": compute.half, "memory_ceiling": memory.ceiling, "memory_half": memory.half}

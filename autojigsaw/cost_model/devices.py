@@ -86,7 +86,7 @@ class DeviceSpec:
     ops into their neighbours' kernels (compute.roofline_time prices them so). `tf32`: fp32
     matmuls and convolutions run on tensor cores as TF32, as after
     `torch.backends.cuda.matmul.allow_tf32 = True` (and cudnn's), at the "tfloat32" peak
-    (patchwise convolutions excepted: compute.kind_name).
+    (cuDNN's patchwise convolutions excepted: compute.kind_name).
 
         spec = dataclasses.replace(autojigsaw.calibrate(mesh), memory_bytes=40 * 2**30)  # an autojigsaw.DeviceSpec
         plan = autojigsaw.plan(model, (x,), {"tensor": 8}, device=spec)

@@ -9,15 +9,25 @@ A transposed convolution's W is [Cin, Cout / groups, *k]: its "out" shards W's d
 "in" W's dim 0. Spatial sharding needs no halo: only for patches (stride == kernel, no padding,
 output padding or dilation), and only where every rank's shard boundaries fall on patch
 boundaries, as they do when the patches divide evenly over the axes that shard them.
+
+A convolution over whole patches (batched, ungrouped) is offered twice, with each layout: as
+itself (cuDNN's kernel) and as kernel "patch_gemm", one GEMM on the cut-out patches
+(kernels/patch_gemm.py). The planner takes the cheaper: on GPUs in TF32 and bf16 that is the
+GEMM, as cuDNN runs patch convolutions on CUDA cores (cost_model.compute); in fp32, the convolution.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+from dataclasses import replace
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ...cost_model.compute import backward_factor, flops, memory_time, roofline_time
+from ...kernels import registry
+from ...kernels.patch_gemm import patch_conv, patch_conv_transpose
 from ...placements import chunk_sizes, local_shape
 from .base import AxisOption, per_axis, register
 from .matmul import trim_options
@@ -28,6 +38,7 @@ R = Replicate()
 
 _CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
 _TRANSPOSED = (aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input)
+PATCH_GEMM = "patch_gemm"
 
 
 @register(*_CONVS, *_TRANSPOSED, aten.convolution.default)
@@ -58,8 +69,12 @@ def conv(node, mesh, candidates):
     found = per_axis(mesh, lambda n: trim_options(options(n), has_bias))
     # the side with more points holds `kernel` of them per point of the other
     fine, coarse = (y.shape, x.shape) if transposed else (x.shape, y.shape)
-    return [s for s in found if _patches_align(s.inputs[0], fine, coarse, w.shape, mesh)
-            and _no_empty_shard(s.inputs[0], s.inputs[1], x.shape, w.shape, mesh)]
+    found = [s for s in found if _patches_align(s.inputs[0], fine, coarse, w.shape, mesh)
+             and _no_empty_shard(s.inputs[0], s.inputs[1], x.shape, w.shape, mesh)]
+    whole_patches = all(fine[d] == coarse[d] * w.shape[d] for d in spatial)
+    if groups == 1 and w.ndim == x.ndim and len(patches) == len(spatial) and whole_patches:
+        found += [replace(s, kernel=PATCH_GEMM) for s in found]
+    return found
 
 
 def _conv_args(node):
@@ -111,3 +126,24 @@ def _aligned(size_in: int, size_out: int, patch: int, parts: list[int]) -> bool:
         return size_in == patch * size_out
     ins, outs = chunk_sizes(size_in, parts[0]), chunk_sizes(size_out, parts[0])
     return all(_aligned(i, o, patch, parts[1:]) for i, o in zip(ins, outs))
+
+
+def _patch_gemm_call(node, spec, rank, local_inputs):
+    transposed = _conv_args(node)[3]
+    return (patch_conv_transpose if transposed else patch_conv), tuple(local_inputs), {}
+
+
+def _patch_gemm_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
+    """The GEMM at the tensor-core rate, plus cutting the patches out and putting them back."""
+    x, w, y = node.args[0].meta["val"], node.args[1].meta["val"], node.meta["val"]
+    sizes, coord = ctx.mesh.sizes, ctx.coord0
+    xs, ws = (local_shape(v.shape, pl, sizes, coord) for v, pl in zip((x, w), strategy.inputs))
+    ys = local_shape(y.shape, strategy.outputs[0], sizes, coord)
+    moved = (math.prod(xs) + math.prod(ys)) * y.dtype.itemsize
+    gemm = roofline_time(flops(node.target, [xs, ws], [ys]), moved + math.prod(ws) * y.dtype.itemsize,
+                         y.dtype, ctx.device, "matmul")
+    passes = 1 + (backward_factor(node.target) if ctx.training and grad else 0)
+    return float((gemm + memory_time(2 * moved, ctx.device)) * passes), float("nan")
+
+
+registry.add(registry.Kernel(PATCH_GEMM, _patch_gemm_call, None, _patch_gemm_cost))
