@@ -64,6 +64,10 @@ class Solution:
     gap: float = 0.0  # relative optimality gap: 0 unless the time limit stopped the search
 
 
+class SolverTimeout(ValueError):
+    """The solver's time limit came before it found any plan that fits."""
+
+
 class _Model:
     """Sparse rows, bounds and integrality of one growing MILP."""
 
@@ -168,8 +172,8 @@ class _Model:
         if exact.x is None:
             if exact.status == 1:
                 raise SolverTimeout(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
-                                 "give tie_layers=True (one choice per repeated layer), a larger "
-                                 "memory_budget, or a smaller mesh")
+                                    "give tie_layers=True (one choice per repeated layer), a larger "
+                                    "memory_budget, or a smaller mesh")
             self._branched[key] = None
             return None
         if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
@@ -179,10 +183,6 @@ class _Model:
         if exact.status != 1:
             self._branched[key] = (x, float(exact.fun))
         return x, float(exact.fun)
-
-
-class SolverTimeout(ValueError):
-    """The solver's time limit came before it found any plan that fits."""
 
 
 def _integral(x: np.ndarray) -> bool:
