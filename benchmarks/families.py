@@ -37,6 +37,8 @@ class WeatherMixerFamily:
     dtype: torch.dtype = torch.float32
     first_guess: int = 270  # width step where the search starts on the first GPU count (dim 4320)
     name: str = "weather mixer"
+    device: str = "a100-40gb"  # the paper's GPU, 4 to a node
+    gpus: tuple[int, ...] = (1, 2, 4, 8)  # the paper's counts: 17,280 tokens leave little to split beyond
 
     def widths(self, k: int) -> dict:
         return dict(dim=k * self.unit, spatial_fraction=self.spatial_fraction)
@@ -82,6 +84,8 @@ class LlamaFamily:
     dtype: torch.dtype = torch.float32
     first_guess: int = 32
     name: str = "llama"
+    device: str = "h100"
+    gpus: tuple[int, ...] = (1, 2, 4, 8, 16, 64, 256, 1024)
 
     def widths(self, k: int) -> dict:
         h = 128 * k

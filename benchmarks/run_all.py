@@ -24,7 +24,7 @@ RUNS = {
                   "tiny": ["--worlds", "2", "--no-compile", "--d", "32", "--hidden", "64", "--depth", "1",
                            "--batch", "2", "--seq", "8", "--reps", "2", "--warmup", "1"]},
     "plan_speed": {"full": [], "quick": ["--quick"], "tiny": None},
-    "scaling": {"full": [], "quick": ["--gpus", "1", "4", "16", "64", "256"],
+    "scaling": {"full": [], "quick": ["--families", "llama", "--gpus", "1", "4", "16", "64", "256"],
                 "tiny": ["--tiny", "--gpus", "1", "2", "--tolerance", "0.5"]},
     "gpu_overhead": {"full": [], "quick": [], "tiny": ["--cpu", "--tiny", "--no-compile"]},
     "published": {"full": [], "quick": ["--only", "torchtitan-8b-fsdp8"], "tiny": ["--tiny"]},

@@ -11,8 +11,11 @@ Report the plan's predicted step time and the model FLOP utilisation (analytic t
 / (step time x n x the matmul peak: bf16, or TF32); recomputed FLOPs are not counted as
 useful). The search steps the width from a guess until a plan fails (or fits), then bisects.
 
-Run: python -m benchmarks.scaling [--gpus 1 2 4 ... 1024] [--families mixer llama]
-     python -m benchmarks.scaling --families mixer --device a100-40gb --regime paper --gpus 1 2 4
+Each family has its own GPU counts and device unless --gpus and --device are given: the
+mixer on 1-8 A100-40GB (the paper's), Llama on 1-1,024 H100.
+
+Run: python -m benchmarks.scaling [--gpus 1 2 4 ... 1024] [--families mixer llama] [--device h100]
+     python -m benchmarks.scaling --families mixer --regime paper --spatial-fraction 1 --gpus 4
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def _mesh(mesh: dict) -> str:
     return " x ".join(str(v) for v in mesh.values())
 
 
-def _plot(results: dict, device: str) -> None:
+def _plot(results: dict) -> None:
     try:
         import matplotlib
 
@@ -188,7 +191,7 @@ def _plot(results: dict, device: str) -> None:
     ax.plot(list(PAPER_PARAMS), list(PAPER_PARAMS.values()), marker="s", linestyle="--",
             label="WeatherMixer, Jigsaw paper (8 GPUs: talk)")
     ax.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="largest model (B params)",
-           title=f"Largest model that fits, {device}, one sample per step")
+           title="Largest model that fits, one sample per step")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -208,9 +211,9 @@ def _families(args) -> dict:
 
 def main(argv: list[str] | None = None) -> Report:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024])
+    p.add_argument("--gpus", type=int, nargs="+", help="GPU counts (default: the family's)")
     p.add_argument("--families", nargs="+", default=["mixer", "llama"], choices=["mixer", "llama"])
-    p.add_argument("--device", default="h100")
+    p.add_argument("--device", help="device spec name (default: the family's)")
     p.add_argument("--regime", choices=list(REGIMES), default="mixed", help="see above")
     p.add_argument("--spatial-fraction", type=float, default=0.5, help="the mixer's token MLP hidden / tokens")
     p.add_argument("--llama-depth", type=int, default=8)
@@ -222,22 +225,23 @@ def main(argv: list[str] | None = None) -> Report:
     args = p.parse_args(argv)
     families = _families(args)
     suffix, options = REGIMES[args.regime]
-    device, dtype = args.device + suffix, torch.bfloat16 if args.regime == "mixed" else torch.float32
+    dtype = torch.bfloat16 if args.regime == "mixed" else torch.float32
     budget = 16 * 2**20 if args.tiny else int(args.budget_gib * 2**30) if args.budget_gib else None
-    shown = (budget or 0.9 * device_spec(device).memory_bytes) / 2**30
     regime = ("bf16 compute with fp32 masters, recomputation chosen" if args.regime == "mixed"
               else "fp32 with TF32 matmuls, no recomputation (the paper's)")
-    rep = Report("scaling", f"Simulated scaling: largest model per GPU count ({device})")
+    rep = Report("scaling", "Simulated scaling: largest model per GPU count")
     results, errors = {}, []
     for key in args.families:
         family = families[key]
-        print(f"\n{family.name}: searching {args.gpus} GPUs", flush=True)
-        results[family.name] = points = sweep(family, args.gpus, device, budget, args.tolerance, options)
+        device, gpus = (args.device or family.device) + suffix, args.gpus or list(family.gpus)
+        shown = (budget or 0.9 * device_spec(device).memory_bytes) / 2**30
+        print(f"\n{family.name}: searching {gpus} GPUs ({device})", flush=True)
+        results[family.name] = points = sweep(family, gpus, device, budget, args.tolerance, options)
         errors += [p.error for p in points if p.error]
         sample = f"{family.sample_bytes() / 1e6:.3g} MB sample" if key == "mixer" else f"{family.seq}-token sample"
         headers = ["GPUs", "mesh d x t", "model", "params", "memory/GPU", "recomputed layers", "predicted step",
                    "MFU", "plans / time"] + (["Jigsaw paper (WeatherMixer)"] if key == "mixer" else [])
-        rep.table(f"{family.name}, {sample}, {regime}, batch 1, {shown:.3g} GiB budget per GPU",
+        rep.table(f"{family.name} on {device}, {sample}, {regime}, batch 1, {shown:.3g} GiB budget per GPU",
                   _rows(family, points, device, key == "mixer", dtype), headers)
     rep.lines += ["Predicted by autojigsaw's cost model (plan.step_time), not measured. MFU = analytic "
                   "training FLOPs / (predicted step x GPUs x matmul peak). Depth is fixed and width grows so "
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> Report:
                   "(benchmarks/families.py); only its width grows.", ""]
     if errors:
         rep.text("Planner errors (each counted as 'does not fit')", "\n".join(errors))
-    _plot(results, device)
+    _plot(results)
     rep.save()
     if errors:
         raise RuntimeError("the planner failed during the sweep:\n" + "\n".join(errors))
