@@ -163,15 +163,40 @@ def test_transposed_patches_shard_only_whole_patches():
 
 
 def test_the_jigsaw_papers_weather_mixer_trains_like_single_device(ranks4):
-    """Its own model, shrunk: 1-D patches with constant fields, concatenated skips, mse_loss; 2 x 2."""
+    """Its own model, shrunk: 1-D patches with constant fields, concatenated skips, mse_loss; 2 x 2,
+    under 0.75 of its memory, its convolutions held to sharded inputs (alone, the planner finds it
+    cheaper to shard the loss and keep them whole at this size): nothing falls back to replication."""
     sizes = dict(fields=5, lat=4, lon=16, patch=4, dim=6, depth=1)
     make = partial(seeded, jigsaw_weathermixer.FieldLoss, F64, **sizes)
     inputs = (_randn(2, 5, 4, 16), _randn(2, 4, 16, 5))
     whole = autojigsaw.plan(make(), inputs, MESH, device="cpu").memory_per_rank
-    plan = autojigsaw.plan(make(), inputs, MESH, device="cpu", memory_budget=int(0.75 * whole))
-    convs = [plan.node(n) for n in ("conv1d", "conv_transpose1d")]
-    assert not any(c.fallback for c in convs) and all(c.inputs[0] != (R, R) for c in convs), plan
+    sharded = {n: (lambda s: s.inputs[0] != (R, R)) for n in ("conv1d", "conv_transpose1d")}
+    plan = pinned_plan(make(), inputs, MESH, sharded, memory_budget=int(0.75 * whole))
+    assert not plan.fallbacks and plan.node("mse_loss").inputs[0] != (R, R), plan
     _run(ranks4, make, inputs, plan)
+
+
+class FieldMSE(nn.Module):
+    """A field through a linear map, scored by F.mse_loss (broadcast_tensors, then mse_loss)."""
+
+    def __init__(self, width=7, reduction="mean"):
+        super().__init__()
+        self.proj, self.reduction = nn.Linear(width, width), reduction
+
+    def forward(self, x, target):
+        return nn.functional.mse_loss(self.proj(x), target, reduction=self.reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_mse_loss_over_uneven_shards(ranks4, reduction):
+    """5 rows and 7 columns over 2 x 2 ranks (3 + 2 and 4 + 3): every rank's share of the loss
+    adds up to the single-device loss, gradients included, without gathering the field."""
+    x, target = _randn(3, 5, 7), _randn(3, 5, 7).flip(0)
+    make = partial(seeded, FieldMSE, F64, reduction=reduction)
+    uneven = inputs_are("S(1),S(2)", "S(1),S(2)")
+    plan = pinned_plan(make(), (x, target), MESH, {"broadcast_tensors": uneven, "mse_loss": uneven})
+    assert not plan.fallbacks, plan
+    _run(ranks4, make, (x, target), plan, kernel=None if reduction == "none" else "sharded_mse_loss")
 
 
 # ---------------------------------------------------------------- norms over a sharded dim
