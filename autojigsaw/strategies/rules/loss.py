@@ -25,7 +25,7 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
 def _same_layouts(shape, n: int, outputs: int, partial_out: bool = False) -> list[AxisOption]:
-    """Every input alike: replicated, or sharded on one dim that has a row for each of the n ranks."""
+    """Both tensors alike: replicated, or sharded on one dim at least n long (an empty shard adds 0)."""
     opts = [AxisOption((R, R), (R,) * outputs)]
     if n > 1:
         opts += [AxisOption((Shard(d), Shard(d)), (Partial(),) if partial_out else (Shard(d),) * outputs,
