@@ -36,8 +36,22 @@ from .families import LlamaFamily, WeatherMixerFamily
 
 GROWTH = 1.5  # width factor per search step before bisecting
 MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-REGIMES = {"mixed": ("", dict(mp_policy=MIXED, activation_checkpointing="auto")),
-           "paper": ("+tf32", dict(activation_checkpointing="none"))}  # (device suffix, plan options)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """How a family trains: the device suffix, the plan options, the matmul dtype for MFU, in words."""
+
+    suffix: str
+    options: dict
+    dtype: torch.dtype
+    described: str
+
+
+REGIMES = {"mixed": Regime("", dict(mp_policy=MIXED, activation_checkpointing="auto"), torch.bfloat16,
+                           "bf16 compute with fp32 masters, recomputation chosen"),
+           "paper": Regime("+tf32", dict(activation_checkpointing="none"), torch.float32,
+                           "fp32 with TF32 matmuls, no recomputation (the paper's)")}
 # The Jigsaw paper's largest WeatherMixers on A100-40GB (its artifact, cases/C4/node_1: the
 # configs and the parameter counts their logs print; arXiv 2507.05753: 1.06 B and 2.57 B), and
 # what the paper and its talk report beyond.
@@ -224,25 +238,22 @@ def main(argv: list[str] | None = None) -> Report:
                    help="one-block models on a tiny sample, a 16 MiB budget (smoke test)")
     args = p.parse_args(argv)
     families = _families(args)
-    suffix, options = REGIMES[args.regime]
-    dtype = torch.bfloat16 if args.regime == "mixed" else torch.float32
+    regime = REGIMES[args.regime]
     budget = 16 * 2**20 if args.tiny else int(args.budget_gib * 2**30) if args.budget_gib else None
-    regime = ("bf16 compute with fp32 masters, recomputation chosen" if args.regime == "mixed"
-              else "fp32 with TF32 matmuls, no recomputation (the paper's)")
     rep = Report("scaling", "Simulated scaling: largest model per GPU count")
     results, errors = {}, []
     for key in args.families:
         family = families[key]
-        device, gpus = (args.device or family.device) + suffix, args.gpus or list(family.gpus)
+        device, gpus = (args.device or family.device) + regime.suffix, args.gpus or list(family.gpus)
         shown = (budget or 0.9 * device_spec(device).memory_bytes) / 2**30
         print(f"\n{family.name}: searching {gpus} GPUs ({device})", flush=True)
-        results[family.name] = points = sweep(family, gpus, device, budget, args.tolerance, options)
+        results[family.name] = points = sweep(family, gpus, device, budget, args.tolerance, regime.options)
         errors += [p.error for p in points if p.error]
         sample = f"{family.sample_bytes() / 1e6:.3g} MB sample" if key == "mixer" else f"{family.seq}-token sample"
         headers = ["GPUs", "mesh d x t", "model", "params", "memory/GPU", "recomputed layers", "predicted step",
                    "MFU", "plans / time"] + (["Jigsaw paper (WeatherMixer)"] if key == "mixer" else [])
-        rep.table(f"{family.name} on {device}, {sample}, {regime}, batch 1, {shown:.3g} GiB budget per GPU",
-                  _rows(family, points, device, key == "mixer", dtype), headers)
+        rep.table(f"{family.name} on {device}, {sample}, {regime.described}, batch 1, {shown:.3g} GiB budget per GPU",
+                  _rows(family, points, device, key == "mixer", regime.dtype), headers)
     rep.lines += ["Predicted by autojigsaw's cost model (plan.step_time), not measured. MFU = analytic "
                   "training FLOPs / (predicted step x GPUs x matmul peak). Depth is fixed and width grows so "
                   "that 1024-GPU plans stay fast. The weather mixer is the Jigsaw paper's, in its configuration "
