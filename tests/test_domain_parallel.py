@@ -32,6 +32,13 @@ def _randn(*shape, dtype=F64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
 
 
+def _strategies(module, x, name: str):
+    """The strategies the rules offer the first node of `module` on x whose name starts with `name`."""
+    captured = capture(module, (x,))
+    annotate(captured.gm, MeshSpec.of(MESH))
+    return next(n for n in captured.gm.graph.nodes if n.name.startswith(name)).meta[STRATEGIES]
+
+
 def _run(pool, make, inputs, plan, dtype=F64, kernel=None):
     results = pool.run(train_side_by_side, make, inputs, tuple(plan.mesh.sizes), plan.to_json())
     assert_matches(results, dtype)
@@ -69,10 +76,7 @@ def test_conv2d_strategies(ranks4, pin):
 
 def test_conv2d_shards_only_whole_patches():
     """3 patch columns over 2 ranks: torch.chunk splits 6 pixels 3 + 3, not on a patch boundary."""
-    captured = capture(Embed(), (torch.empty(2, 4, 8, 6),))
-    annotate(captured.gm, MeshSpec.of(MESH))
-    conv = next(n for n in captured.gm.graph.nodes if n.name == "conv2d")
-    x_layouts = {format_placements(s.inputs[0]) for s in conv.meta[STRATEGIES]}
+    x_layouts = {format_placements(s.inputs[0]) for s in _strategies(Embed(), torch.empty(2, 4, 8, 6), "conv2d")}
     assert "S(2),R" in x_layouts and "S(2),S(2)" in x_layouts  # 4 patch rows: 2 + 2, 1 + 1 + 1 + 1
     assert not any("S(3)" in layout for layout in x_layouts)
 
@@ -119,11 +123,8 @@ def test_patch_gemm_is_offered_for_whole_patches_only():
     """Whole, ungrouped patches: the convolution and the GEMM, with the same layouts; a sliding,
     a grouped or a remainder-dropping convolution: the convolution alone."""
     def kernels(conv, x):
-        captured = capture(conv, (x,))
-        annotate(captured.gm, MeshSpec.of(MESH))
-        node = next(n for n in captured.gm.graph.nodes if "conv" in n.name)
         by_kernel = {}
-        for s in node.meta[STRATEGIES]:
+        for s in _strategies(conv, x, "conv"):
             by_kernel.setdefault(s.kernel, set()).add((s.inputs, s.outputs))
         return by_kernel
 
@@ -155,10 +156,8 @@ def test_patch_gemm_matches_the_convolution():
 
 def test_transposed_patches_shard_only_whole_patches():
     """6 patches over 2 x 2 ranks: 3 + 3, then 2 + 1 patches against 12 = 6 + 6 points: refused."""
-    captured = capture(Patches1D(), (torch.empty(2, 3, 24),))
-    annotate(captured.gm, MeshSpec.of(MESH))
-    recover = next(n for n in captured.gm.graph.nodes if n.name == "conv_transpose1d")
-    x_layouts = {format_placements(s.inputs[0]) for s in recover.meta[STRATEGIES]}
+    recover = _strategies(Patches1D(), torch.empty(2, 3, 24), "conv_transpose1d")
+    x_layouts = {format_placements(s.inputs[0]) for s in recover}
     assert "S(2),R" in x_layouts and "S(2),S(2)" not in x_layouts
 
 
