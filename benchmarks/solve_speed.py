@@ -29,6 +29,7 @@ sys.path[:0] = [str(ROOT)]
 
 import autojigsaw  # noqa: E402
 import autojigsaw.api as api  # noqa: E402
+import autojigsaw.planner.highs as highs_module  # noqa: E402
 import autojigsaw.planner.milp as milp_module  # noqa: E402
 from autojigsaw.api import Options, plan_captured  # noqa: E402
 from autojigsaw.capture import capture  # noqa: E402
@@ -64,37 +65,32 @@ CASES = ([("mistral", TWO_BY_TWO, f) for f in (0.8, 0.7, 0.6)]
 
 
 class Recorder:
-    """Every HiGHS call the planner makes (scipy's milp and linprog): size, status, gap, seconds."""
+    """Every HiGHS call the planner makes (LPs and MILPs): size, whether the time limit stopped it, gap, seconds."""
 
     def __init__(self):
-        self.calls: list[tuple[int, int, int, float, float]] = []
-        self._solvers = {name: getattr(milp_module, name) for name in ("milp", "linprog")}
+        self.calls: list[tuple[int, int, bool, float, float]] = []
+        self._solvers = {name: getattr(highs_module, name) for name in ("solve_lp", "solve_mip")}
 
     def __enter__(self):
         for name, solver in self._solvers.items():
-            setattr(milp_module, name, functools.partial(self._recorded, solver))
+            setattr(highs_module, name, functools.partial(self._recorded, solver))
         self.calls.clear()
         return self
 
     def __exit__(self, *exc):
         for name, solver in self._solvers.items():
-            setattr(milp_module, name, solver)
+            setattr(highs_module, name, solver)
 
-    def _recorded(self, solver, c, *args, **kwargs):
+    def _recorded(self, solver, cost, matrix, *args, **kwargs):
         start = time.perf_counter()
-        res = solver(c, *args, **kwargs)
-        if "constraints" in kwargs:
-            rows = kwargs["constraints"].A.shape[0]
-        else:  # linprog: every row once, the ranged ones (none here) twice
-            rows = kwargs["A_ub"].shape[0] + kwargs["A_eq"].shape[0]
-        gap = getattr(res, "mip_gap", None)
-        self.calls.append((len(c), rows, res.status, gap if gap is not None and res.x is not None else 0.0,
+        res = solver(cost, matrix, *args, **kwargs)
+        self.calls.append((len(cost), matrix.shape[0], res.timed_out, res.gap if res.x is not None else 0.0,
                            time.perf_counter() - start))
         return res
 
     def row(self) -> tuple:
         status = "optimal"
-        stopped = [g for _, _, s, g, _ in self.calls if s == 1]
+        stopped = [g for _, _, timed_out, g, _ in self.calls if timed_out]
         if stopped:
             status = "time limit" if any(g == 0.0 for g in stopped) else f"gap {max(stopped):.2%}"
         return (max(c[0] for c in self.calls), max(c[1] for c in self.calls), len(self.calls),

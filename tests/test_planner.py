@@ -14,7 +14,7 @@ from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.estimate import CostContext
 from autojigsaw.ir import grads_by_name
 from autojigsaw.mesh import MeshSpec
-from autojigsaw.planner import build_problem, solve
+from autojigsaw.planner import build_problem, highs, solve
 from autojigsaw.strategies.annotate import annotate
 
 from .models import MLP, LinearStack
@@ -83,6 +83,33 @@ def test_matches_brute_force_optimum(name, training):
         assert solution.objective == pytest.approx(best, rel=1e-9, abs=1e-15), budget
         assert budget is None or solution.peak_memory <= budget
     assert solve(problem, float(peak.min()) * 0.999) is None  # below every combination: infeasible
+
+
+def test_every_branching_after_a_plan_that_fits_starts_from_it(monkeypatch):
+    """The proofs under a budget hand HiGHS the fastest plan found so far that fits: each start
+    is the objective of a real plan that fits, HiGHS never returns worse, and the optimum is kept."""
+    starts, real = [], highs.solve_mip
+
+    def recorded(cost, *args, start=None, **kwargs):
+        result = real(cost, *args, start=start, **kwargs)
+        if start:
+            starts.append((sum(cost[c] * v for c, v in start.items()) / 1e6, result.objective / 1e6))
+        return result
+
+    monkeypatch.setattr(highs, "solve_mip", recorded)
+    branched_from_a_start = 0
+    for make, shape in SMALL.values():
+        torch.manual_seed(0)
+        problem = _problem(make(), (torch.randn(shape),), {"tensor": 2}, training=False)
+        objective, peak, _ = _brute_force(problem, None)
+        for budget in (float(np.quantile(peak, 0.05)), float(np.quantile(peak, 0.01))):
+            starts.clear()
+            fitting = objective[_brute_force(problem, budget)[2]]
+            assert solve(problem, budget).objective == pytest.approx(fitting.min(), rel=1e-9)
+            for begun, found in starts:
+                assert np.isclose(fitting, begun, rtol=1e-9).any() and found <= begun * (1 + 1e-9)
+            branched_from_a_start += len(starts)
+    assert branched_from_a_start >= 3
 
 
 def test_rediscovers_megatron_for_wide_mlps_with_few_tokens():

@@ -29,6 +29,8 @@ program, missing those rows, ran out of 300 s. Where the whole program must be b
 anyway, an integer per group counting its strategies' memory level gives HiGHS a branch that
 splits the memory-saving strategies from the others: branching on single strategies meets a
 twin that saves the same bytes (the same sharding on the other mesh axis) and moves nothing.
+Every branching starts from the fastest plan found so far that fits (a quick round's or a
+narrower window's) and keeps its columns in the window: HiGHS prunes with it from the first node.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, linprog, milp
-from scipy.sparse import coo_matrix, vstack
+from scipy.sparse import coo_matrix
 
 from ..cost_model.liveness import MaxItem, PairItem
+from . import highs
 from .problem import Problem
 
 _SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
@@ -107,10 +109,12 @@ class _Model:
         self.hi.extend(np.broadcast_to(hi, (int(np.max(rows)) + 1 if len(rows) else 0,)))
 
     def solve(self, n_int: int, time_limit: float, prove: bool = True,
-              fits: Callable[[np.ndarray], bool] = lambda x: True) -> np.ndarray | None:
+              fits: Callable[[np.ndarray], bool] = lambda x: True, start: dict[int, float] | None = None
+              ) -> np.ndarray | None:
         """The optimum, from the LP relaxation when that is integral (it usually is), else by branching;
         with `prove` False, the first plan the narrowest window of columns holds (not proven optimal);
-        a window's plan that does not `fit` is returned at once, for the rows it lacks."""
+        a window's plan that does not `fit` is returned at once, for the rows it lacks. `start`: the
+        columns of a plan that fits, which every branching starts from and keeps in its window."""
         deadline = time.perf_counter() + time_limit
         self.proven = False
         cost = np.concatenate(self.cost)
@@ -119,37 +123,36 @@ class _Model:
         lo, hi, upper = np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
         shape = (self.n, len(self.lo))
         if self._relaxed is None or self._relaxed[0] != shape:
-            relaxed = milp(c=cost, constraints=LinearConstraint(matrix, lo, hi), bounds=Bounds(0, upper),
-                           options={"time_limit": time_limit})
-            lp = None  # the deadline came in the first LP, or no duals are needed
-            if relaxed.status != 1 and relaxed.x is not None and not _integral(relaxed.x[:n_int]):
-                lp = _lp(cost, matrix, lo, hi, upper, deadline)  # again, for the duals scipy's milp does not return
-            self._relaxed, self._branched = (shape, relaxed, lp), {}
-        _, relaxed, lp = self._relaxed
-        if relaxed.status != 1:
+            self._relaxed, self._branched = (shape, highs.solve_lp(cost, matrix, lo, hi, upper, time_limit)), {}
+        relaxed = self._relaxed[1]
+        if not relaxed.timed_out:
             if relaxed.x is None:
                 return None  # infeasible even fractionally
             if _integral(relaxed.x[:n_int]):
                 self.proven = True
                 return relaxed.x
-        if lp is None:  # the deadline came first: branch on the whole program for what time is left
-            best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), deadline)
+        inside = np.zeros(self.n, dtype=bool)  # the start's strategies and pair terms
+        if start is not None:
+            inside[[c for c, v in start.items() if v > 1e-9]] = True
+        if relaxed.timed_out:  # the deadline came in the LP: branch on the whole program for what time is left
+            best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), deadline, start)
             self.proven = best is not None and not self.gap
             return None if best is None else best[0]
-        bound, duals = lp
-        reduced = cost - matrix.T @ duals
+        bound, reduced = relaxed.objective, cost - matrix.T @ relaxed.duals
         fixable = np.concatenate(self.zero_one)
         slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
         window = _FIRST_WINDOW * abs(bound)
         zero_rows = matrix.tocsr()[(lo == 0) & (hi == 0)]
         while True:
-            keep = _propagated(zero_rows, ~fixable | (reduced <= window + slack))
-            best = self._branch(cost, matrix, lo, hi, upper, keep, deadline)
+            keep = _propagated(zero_rows, ~fixable | (reduced <= window + slack)) | inside
+            best = self._branch(cost, matrix, lo, hi, upper, keep, deadline, start)
             if best is not None and not fits(best[0]):
                 return best[0]
             if best is None and keep.all():
                 return None
             self.proven = best is not None and best[1] - bound <= window + slack
+            if best is not None and not self.proven:  # a plan that fits: the wider windows start from it
+                start, inside = dict(enumerate(best[0])), inside | (best[0] > 1e-9)
             if best is not None and (not prove or self.proven or self.gap):
                 if self.gap:  # stopped by the time limit: how far off it may be from the bound of the whole program
                     self.gap = max(self.gap, (best[1] - bound) / abs(best[1]))
@@ -158,31 +161,35 @@ class _Model:
             # widen step by step, as the best plan usually needs only a few more columns
             window = 4 * window + slack if best is None or best[1] - bound > 16 * window else best[1] - bound
 
-    def _branch(self, cost, matrix, lo, hi, upper, keep, deadline):
+    def _branch(self, cost, matrix, lo, hi, upper, keep, deadline, start):
         """(x, objective) of the MILP on the columns `keep`, the others fixed at 0; None if none fits."""
         key = np.packbits(keep).tobytes()
         if key in self._branched:
             return self._branched[key]
         cols = np.flatnonzero(keep)
         time_limit = max(deadline - time.perf_counter(), 1.0)
-        # HiGHS presolve restarts cost more than they save here; _propagated did the useful part
-        exact = milp(c=cost[cols], constraints=LinearConstraint(matrix[:, cols], lo, hi),
-                     bounds=Bounds(0, upper[cols]), integrality=np.concatenate(self.integer)[cols].astype(float),
-                     options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "presolve": False})
+        exact = highs.solve_mip(cost[cols], matrix[:, cols], lo, hi, upper[cols], np.concatenate(self.integer)[cols],
+                                time_limit, start=None if start is None else _restricted(start, cols))
         if exact.x is None:
-            if exact.status == 1:
+            if exact.timed_out:
                 raise SolverTimeout(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
                                     "give tie_layers=True (one choice per repeated layer), a larger "
                                     "memory_budget, or a smaller mesh")
             self._branched[key] = None
             return None
-        if exact.status == 1:  # the time limit: keep the best plan found, and say how far off it may be
-            self.gap = max(self.gap, float(exact.mip_gap))
+        if exact.timed_out:  # the time limit: keep the best plan found, and say how far off it may be
+            self.gap = max(self.gap, exact.gap)
         x = np.zeros(self.n)
         x[cols] = exact.x
-        if exact.status != 1:
-            self._branched[key] = (x, float(exact.fun))
-        return x, float(exact.fun)
+        if not exact.timed_out:
+            self._branched[key] = (x, exact.objective)
+        return x, exact.objective
+
+
+def _restricted(start: dict[int, float], cols: np.ndarray) -> dict[int, float]:
+    """The entries of `start` on the kept columns `cols`, by their position there; HiGHS completes the others."""
+    position = {int(c): k for k, c in enumerate(cols)}
+    return {position[c]: v for c, v in start.items() if c in position}
 
 
 def _integral(x: np.ndarray) -> bool:
@@ -201,25 +208,6 @@ def _propagated(zero_rows, keep: np.ndarray) -> np.ndarray:
         if not forced.any():
             return keep
         keep = keep & ~forced
-
-
-def _lp(cost, matrix, lo, hi, upper, deadline):
-    """(objective, row duals) of the LP min cost.x, lo <= matrix.x <= hi, 0 <= x <= upper, feasible
-    already; None if the deadline came first."""
-    eq = lo == hi
-    below, above = ~eq & np.isfinite(hi), ~eq & np.isfinite(lo)
-    res = linprog(cost, A_ub=vstack([matrix[below], -matrix[above]]).tocsr(),
-                  b_ub=np.concatenate([hi[below], -lo[above]]), A_eq=matrix[eq].tocsr(), b_eq=lo[eq],
-                  bounds=np.stack([np.zeros(len(cost)), upper], axis=1), method="highs-ds",
-                  options={"time_limit": max(deadline - time.perf_counter(), 1.0)})
-    if res.status != 0:
-        return None
-    duals = np.zeros(len(lo))
-    duals[eq] = res.eqlin.marginals
-    n_below = int(below.sum())
-    duals[below] += res.ineqlin.marginals[:n_below]
-    duals[above] -= res.ineqlin.marginals[n_below:]
-    return float(res.fun), duals
 
 
 class _Builder:
@@ -378,8 +366,8 @@ class _Builder:
             self.w[key] = (w0, common)
         return self.w[key]
 
-    def run(self, time_limit: float, prove: bool, fits: Callable[[np.ndarray], bool]):
-        return self.model.solve(int(self.offsets[-1]), time_limit, prove, fits)
+    def run(self, time_limit: float, prove: bool, fits: Callable[[np.ndarray], bool], start: np.ndarray | None):
+        return self.model.solve(int(self.offsets[-1]), time_limit, prove, fits, start)
 
     def group_choice(self, x: np.ndarray) -> np.ndarray:
         return np.array([int(np.argmax(x[self.offsets[g]:self.offsets[g + 1]])) for g in range(len(self.sizes))])
@@ -401,10 +389,12 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
             cuts.append(point)
     candidates = problem.memory.peak_candidates()
     solves, prove = 0, budget is None
+    best: tuple[float, dict[int, float]] | None = None  # the fastest plan found that fits: every solve starts from it
     while True:
         # the memory rows a plan needs are found on quick plans; only the last solve proves optimality
         x = builder.run(max(time_limit - (time.perf_counter() - start), 1.0), prove,
-                        lambda x: _fits(problem.memory.peak(problem.expand(builder.group_choice(x)))[0], budget))
+                        lambda x: _fits(problem.memory.peak(problem.expand(builder.group_choice(x)))[0], budget),
+                        None if best is None else best[1])
         solves += 1
         if x is None:
             return None
@@ -413,6 +403,8 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
         point = int(np.argmax(profile))
         peak = float(profile[point])
         fits = _fits(peak, budget)
+        if fits and (best is None or problem.objective(choice) < best[0]):
+            best = (problem.objective(choice), dict(enumerate(x)))
         if fits and not prove and not builder.model.proven:
             prove = True
             continue

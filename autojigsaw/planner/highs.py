@@ -1,0 +1,104 @@
+"""HiGHS through its own Python binding (highspy): the LP with its row duals, and the MILP from a known plan.
+
+scipy's `milp` and `linprog` wrap an older HiGHS, return no duals from the MILP interface
+(the LP was solved twice) and take no starting solution; the planner's branchings start
+from a plan that fits, which HiGHS prunes with from the first node.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+from scipy.sparse import csc_matrix
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one HiGHS run found: x (None when it found no solution), its objective, the gap left."""
+
+    x: np.ndarray | None
+    objective: float
+    timed_out: bool  # stopped by the time limit (x is then the best solution found, if any)
+    gap: float  # the relative gap left at the time limit; 0 when solved
+    duals: np.ndarray | None = None  # row duals, for an LP: reduced costs are cost - matrix.T @ duals
+
+
+_banner_shown = False
+
+
+def _new_highs() -> highspy.Highs:
+    """A HiGHS instance. The process's first one prints HiGHS' banner to stdout (before any
+    option can be set), so that one is made with stdout pointed at /dev/null."""
+    global _banner_shown
+    if _banner_shown:
+        return highspy.Highs()
+    _banner_shown = True
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _highs(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, options: dict) -> highspy.Highs:
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(cost), matrix.shape[0]
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(len(cost)), upper
+    lp.row_lower_, lp.row_upper_ = lo, hi
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = matrix.indptr, matrix.indices, matrix.data
+    if integer is not None:
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
+    h = _new_highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    for name, value in options.items():
+        h.setOptionValue(name, value)
+    h.passModel(lp)
+    return h
+
+
+def solve_lp(cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Result:
+    """The LP min cost.x, lo <= matrix.x <= hi, 0 <= x <= upper, with its row duals."""
+    h = _highs(cost, matrix, lo, hi, upper, None, time_limit, {})
+    h.run()
+    return _result(h, dual=True)
+
+
+def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, *,
+              start: dict[int, float] | None = None) -> Result:
+    """The MILP over the same rows with `integer` columns integral, from a feasible solution:
+    `start` gives some columns' values, and HiGHS completes the others."""
+    # HiGHS presolve restarts cost more than they save here; the planner's column windows do the useful part
+    h = _highs(cost, matrix, lo, hi, upper, integer, time_limit, {"presolve": "off", "mip_rel_gap": 1e-7})
+    if start:
+        h.setSolution(len(start), np.fromiter(start, dtype=np.int32), np.fromiter(start.values(), dtype=float))
+    h.run()
+    return _result(h, dual=False)
+
+
+_SETTLED = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit,
+            highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible)
+
+
+def _result(h: highspy.Highs, dual: bool) -> Result:
+    status, info = h.getModelStatus(), h.getInfo()
+    if status not in _SETTLED:
+        raise RuntimeError(f"HiGHS stopped with status '{h.modelStatusToString(status)}' on the planner's "
+                           f"program ({h.getNumCol()} variables, {h.getNumRow()} rows); please report it")
+    timed_out = status == highspy.HighsModelStatus.kTimeLimit
+    found = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible) or not found:
+        return Result(None, float("inf"), timed_out, 0.0)
+    solution = h.getSolution()
+    gap = float(info.mip_gap) if timed_out and np.isfinite(info.mip_gap) else 0.0
+    return Result(np.array(solution.col_value), float(info.objective_function_value), timed_out, gap,
+                  np.array(solution.row_dual) if dual else None)
