@@ -142,6 +142,9 @@ class _Model:
         fixable = np.concatenate(self.zero_one)
         slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
         window = _FIRST_WINDOW * abs(bound)
+        if start is not None and prove:  # a proof from a plan near the bound needs no narrower window first
+            distance = sum(cost[c] * v for c, v in start.items()) - bound
+            window = distance if distance <= 16 * window else window
         zero_rows = matrix.tocsr()[(lo == 0) & (hi == 0)]
         while True:
             keep = _propagated(zero_rows, ~fixable | (reduced <= window + slack)) | inside
