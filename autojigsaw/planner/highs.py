@@ -95,7 +95,7 @@ def _result(h: highspy.Highs, dual: bool) -> Result:
         raise RuntimeError(f"HiGHS stopped with status '{h.modelStatusToString(status)}' on the planner's "
                            f"program ({h.getNumCol()} variables, {h.getNumRow()} rows); please report it")
     timed_out = status == highspy.HighsModelStatus.kTimeLimit
-    found = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    found = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
     if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible) or not found:
         return Result(None, float("inf"), timed_out, 0.0)
     solution = h.getSolution()

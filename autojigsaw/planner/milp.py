@@ -369,7 +369,8 @@ class _Builder:
             self.w[key] = (w0, common)
         return self.w[key]
 
-    def run(self, time_limit: float, prove: bool, fits: Callable[[np.ndarray], bool], start: np.ndarray | None):
+    def run(self, time_limit: float, prove: bool, fits: Callable[[np.ndarray], bool],
+            start: dict[int, float] | None):
         return self.model.solve(int(self.offsets[-1]), time_limit, prove, fits, start)
 
     def group_choice(self, x: np.ndarray) -> np.ndarray:
