@@ -4,6 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -83,6 +84,27 @@ def test_matches_brute_force_optimum(name, training):
         assert solution.objective == pytest.approx(best, rel=1e-9, abs=1e-15), budget
         assert budget is None or solution.peak_memory <= budget
     assert solve(problem, float(peak.min()) * 0.999) is None  # below every combination: infeasible
+
+
+def test_lp_duals_price_every_column_as_the_reduced_cost_fixing_assumes():
+    """The windows keep the columns whose reduced cost, cost - matrix.T @ duals, is small: at the LP
+    optimum that is >= 0 at a column's lower bound, <= 0 at its upper, 0 between (a sign error would
+    drop the columns an optimal plan needs)."""
+    rng = np.random.default_rng(0)
+    groups, choices = 12, 4
+    n = groups * choices
+    cost, size = rng.uniform(1, 10, n), rng.uniform(1, 10, n)
+    pick_one = sp.csr_matrix((np.ones(n), (np.repeat(np.arange(groups), choices), np.arange(n))), shape=(groups, n))
+    matrix = sp.vstack([pick_one, sp.csr_matrix(size[None, :])]).tocsc()
+    budget = 0.6 * size.reshape(groups, choices).mean(axis=1).sum()  # binding: the LP mixes choices
+    lo, hi = np.r_[np.ones(groups), -np.inf], np.r_[np.ones(groups), budget]
+    lp = highs.solve_lp(cost, matrix, lo, hi, np.ones(n), 60.0)
+    reduced, x = cost - matrix.T @ lp.duals, lp.x
+    assert lp.duals[-1] < 0 and size @ x == pytest.approx(budget)  # the budget binds
+    assert reduced[x < 1e-9].min() >= -1e-9 and reduced[x > 1 - 1e-9].max() <= 1e-9
+    between = (x > 1e-9) & (x < 1 - 1e-9)
+    assert between.any() and np.abs(reduced[between]).max() <= 1e-9
+    assert lp.objective == pytest.approx(cost @ x)
 
 
 def test_every_branching_after_a_plan_that_fits_starts_from_it(monkeypatch):
