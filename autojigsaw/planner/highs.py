@@ -1,8 +1,8 @@
 """HiGHS through its own Python binding (highspy): the LP with its row duals, and the MILP from a known plan.
 
-scipy's `milp` and `linprog` wrap an older HiGHS, return no duals from the MILP interface
-(the LP was solved twice) and take no starting solution; the planner's branchings start
-from a plan that fits, which HiGHS prunes with from the first node.
+scipy's `milp` (HiGHS 1.12 inside scipy 1.17) returns no duals, so the LP was solved twice,
+and takes no starting solution; the planner's branchings start from a plan that fits, which
+HiGHS prunes with from the first node.
 """
 
 from __future__ import annotations
