@@ -8,10 +8,11 @@ tensor=2 and on domain=2 x tensor=2 (float64 on the cpu spec, as tests/side_by_s
 them); the Llama-3-8B shape of benchmarks/plan_speed.py on domain=8 x tensor=8 (h100) with
 activation_checkpointing="auto"; the Jigsaw paper's WeatherMixer (benchmarks/families.py) at
 dim 32144 on domain=2 x tensor=2 A100-40GB, bf16 with fp32 masters and recomputation chosen, at
-the edge of its 36 GiB budget (the hardest plan the scaling benchmark makes; a few minutes). Every call into HiGHS is recorded: the table shows the
-largest program's variables and constraints, the number of HiGHS calls and their seconds, the
-worst status (optimal, gap: stopped at the time limit with a plan, time limit: no plan),
-and the predicted step time (the objective).
+the edge of its 36 GiB budget (the hardest plan the scaling benchmark makes; a few minutes).
+Every call into HiGHS is recorded: the table shows the largest program's variables and
+constraints, the number of HiGHS calls and their seconds, the worst status (optimal, gap:
+stopped at the time limit with a plan, time limit: no plan), and the predicted step time (the
+objective).
 """
 
 from __future__ import annotations
