@@ -74,13 +74,13 @@ def solve_lp(cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Resu
 
 
 def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, *,
-              start: dict[int, float] | None = None) -> Result:
+              start: np.ndarray | None = None) -> Result:
     """The MILP over the same rows with `integer` columns integral, from a feasible solution:
-    `start` gives some columns' values, and HiGHS completes the others."""
+    `start` gives the values of the first len(start) columns, and HiGHS completes the others."""
     # HiGHS presolve restarts cost more than they save here; the planner's column windows do the useful part
     h = _highs(cost, matrix, lo, hi, upper, integer, time_limit, {"presolve": "off", "mip_rel_gap": 1e-7})
-    if start:
-        h.setSolution(len(start), np.fromiter(start, dtype=np.int32), np.fromiter(start.values(), dtype=float))
+    if start is not None and len(start):
+        h.setSolution(len(start), np.arange(len(start), dtype=np.int32), np.asarray(start, dtype=float))
     h.run()
     return _result(h, dual=False)
 

@@ -109,12 +109,13 @@ class _Model:
         self.hi.extend(np.broadcast_to(hi, (int(np.max(rows)) + 1 if len(rows) else 0,)))
 
     def solve(self, n_int: int, time_limit: float, prove: bool = True,
-              fits: Callable[[np.ndarray], bool] = lambda x: True, start: dict[int, float] | None = None
+              fits: Callable[[np.ndarray], bool] = lambda x: True, start: np.ndarray | None = None
               ) -> np.ndarray | None:
         """The optimum, from the LP relaxation when that is integral (it usually is), else by branching;
         with `prove` False, the first plan the narrowest window of columns holds (not proven optimal);
-        a window's plan that does not `fit` is returned at once, for the rows it lacks. `start`: the
-        columns of a plan that fits, which every branching starts from and keeps in its window."""
+        a window's plan that does not `fit` is returned at once, for the rows it lacks. `start`: a plan
+        that fits, an earlier solution (of this model before its last rows: variables are only
+        appended), which every branching starts from and keeps in its window."""
         deadline = time.perf_counter() + time_limit
         self.proven = False
         cost = np.concatenate(self.cost)
@@ -133,7 +134,7 @@ class _Model:
                 return relaxed.x
         inside = np.zeros(self.n, dtype=bool)  # the start's strategies and pair terms
         if start is not None:
-            inside[[c for c, v in start.items() if v > 1e-9]] = True
+            inside[:len(start)] = start > 1e-9
         if relaxed.timed_out:  # the deadline came in the LP: branch on the whole program for what time is left
             best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), deadline, start)
             self.proven = best is not None and not self.gap
@@ -143,7 +144,7 @@ class _Model:
         slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
         window = _FIRST_WINDOW * abs(bound)
         if start is not None and prove:  # a proof from a plan near the bound needs no narrower window first
-            distance = sum(cost[c] * v for c, v in start.items()) - bound
+            distance = cost[:len(start)] @ start - bound
             window = distance if distance <= 16 * window else window
         zero_rows = matrix.tocsr()[(lo == 0) & (hi == 0)]
         while True:
@@ -155,7 +156,7 @@ class _Model:
                 return None
             self.proven = best is not None and best[1] - bound <= window + slack
             if best is not None and not self.proven:  # a plan that fits: the wider windows start from it
-                start, inside = dict(enumerate(best[0])), inside | (best[0] > 1e-9)
+                start, inside = best[0], inside | (best[0] > 1e-9)
             if best is not None and (not prove or self.proven or self.gap):
                 if self.gap:  # stopped by the time limit: how far off it may be from the bound of the whole program
                     self.gap = max(self.gap, (best[1] - bound) / abs(best[1]))
@@ -172,7 +173,7 @@ class _Model:
         cols = np.flatnonzero(keep)
         time_limit = max(deadline - time.perf_counter(), 1.0)
         exact = highs.solve_mip(cost[cols], matrix[:, cols], lo, hi, upper[cols], np.concatenate(self.integer)[cols],
-                                time_limit, start=None if start is None else _restricted(start, cols))
+                                time_limit, start=None if start is None else start[cols[cols < len(start)]])
         if exact.x is None:
             if exact.timed_out:
                 raise SolverTimeout(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
@@ -187,12 +188,6 @@ class _Model:
         if not exact.timed_out:
             self._branched[key] = (x, exact.objective)
         return x, exact.objective
-
-
-def _restricted(start: dict[int, float], cols: np.ndarray) -> dict[int, float]:
-    """The entries of `start` on the kept columns `cols`, by their position there; HiGHS completes the others."""
-    position = {int(c): k for k, c in enumerate(cols)}
-    return {position[c]: v for c, v in start.items() if c in position}
 
 
 def _integral(x: np.ndarray) -> bool:
@@ -370,7 +365,7 @@ class _Builder:
         return self.w[key]
 
     def run(self, time_limit: float, prove: bool, fits: Callable[[np.ndarray], bool],
-            start: dict[int, float] | None):
+            start: np.ndarray | None):
         return self.model.solve(int(self.offsets[-1]), time_limit, prove, fits, start)
 
     def group_choice(self, x: np.ndarray) -> np.ndarray:
@@ -393,7 +388,7 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
             cuts.append(point)
     candidates = problem.memory.peak_candidates()
     solves, prove = 0, budget is None
-    best: tuple[float, dict[int, float]] | None = None  # the fastest plan found that fits: every solve starts from it
+    best: tuple[float, np.ndarray] | None = None  # the fastest plan found that fits: every solve starts from it
     while True:
         # the memory rows a plan needs are found on quick plans; only the last solve proves optimality
         x = builder.run(max(time_limit - (time.perf_counter() - start), 1.0), prove,
@@ -408,7 +403,7 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
         peak = float(profile[point])
         fits = _fits(peak, budget)
         if fits and (best is None or problem.objective(choice) < best[0]):
-            best = (problem.objective(choice), dict(enumerate(x)))
+            best = (problem.objective(choice), x)
         if fits and not prove and not builder.model.proven:
             prove = True
             continue
