@@ -107,6 +107,35 @@ def test_lp_duals_price_every_column_as_the_reduced_cost_fixing_assumes():
     assert lp.objective == pytest.approx(cost @ x)
 
 
+def test_a_branching_ends_at_the_first_improving_plan_its_stop_accepts():
+    """solve_mip(stop=...) offers every improving solution to `stop` and returns the first it
+    accepts, feasible and not claimed optimal; a stop that accepts none leaves the optimum."""
+    rng = np.random.default_rng(1)
+    groups, choices = 30, 5
+    n = groups * choices
+    cost, size = rng.uniform(1, 10, n), rng.uniform(1, 10, n)
+    pick_one = sp.csr_matrix((np.ones(n), (np.repeat(np.arange(groups), choices), np.arange(n))), shape=(groups, n))
+    matrix = sp.vstack([pick_one, sp.csr_matrix(size[None, :])]).tocsc()
+    budget = 0.6 * size.reshape(groups, choices).mean(axis=1).sum()
+    lo, hi = np.r_[np.ones(groups), -np.inf], np.r_[np.ones(groups), budget]
+    args = (cost, matrix, lo, hi, np.ones(n), np.ones(n, dtype=bool), 60.0)
+    offered = []
+
+    def never(x, objective):
+        offered.append(objective)
+        return False
+
+    optimum = highs.solve_mip(*args, stop=never)
+    assert not optimum.stopped and optimum.objective == pytest.approx(highs.solve_mip(*args).objective)
+    assert offered and offered[-1] == pytest.approx(optimum.objective) and np.all(np.diff(offered) < 0)
+    first = highs.solve_mip(*args, stop=lambda x, objective: True)
+    assert first.stopped and first.objective == pytest.approx(cost @ first.x)
+    assert np.allclose(first.x, np.round(first.x)) and np.allclose(pick_one @ first.x, 1)
+    assert size @ first.x <= budget + 1e-6
+    assert len(offered) > 1 and first.objective == pytest.approx(offered[0])
+    assert first.objective > optimum.objective + 1e-6  # it ended early
+
+
 def test_every_branching_after_a_plan_that_fits_starts_from_it(monkeypatch):
     """The proofs under a budget hand HiGHS the fastest plan found so far that fits: each start
     is the objective of a real plan that fits, HiGHS never returns worse, and the optimum is kept."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import highspy
@@ -25,6 +26,7 @@ class Result:
     timed_out: bool  # stopped by the time limit (x is then the best solution found, if any)
     gap: float  # the relative gap left at the time limit; 0 when solved
     duals: np.ndarray | None = None  # row duals, for an LP: reduced costs are cost - matrix.T @ duals
+    stopped: bool = False  # `stop` accepted x before the search ended: x is not proven optimal
 
 
 _banner_shown = False
@@ -74,15 +76,38 @@ def solve_lp(cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Resu
 
 
 def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, *,
-              start: np.ndarray | None = None) -> Result:
+              start: np.ndarray | None = None, stop: Callable[[np.ndarray, float], bool] | None = None) -> Result:
     """The MILP over the same rows with `integer` columns integral, from a feasible solution:
-    `start` gives the values of the first len(start) columns, and HiGHS completes the others."""
+    `start` gives the values of the first len(start) columns, and HiGHS completes the others.
+    `stop(x, objective)`, asked of every improving solution, ends the search at the first it accepts
+    (returned `stopped`: not proven optimal)."""
     # HiGHS presolve restarts cost more than they save here; the planner's column windows do the useful part
     h = _highs(cost, matrix, lo, hi, upper, integer, time_limit, {"presolve": "off", "mip_rel_gap": 1e-7})
     if start is not None and len(start):
         h.setSolution(len(start), np.arange(len(start), dtype=np.int32), np.asarray(start, dtype=float))
+    accepted: list[np.ndarray] = []
+    if stop is not None:
+        _stop_at(h, len(cost), stop, accepted)
     h.run()
+    if accepted:
+        return Result(accepted[0], float(cost @ accepted[0]), False, 0.0, stopped=True)
     return _result(h, dual=False)
+
+
+def _stop_at(h: highspy.Highs, n: int, stop: Callable[[np.ndarray, float], bool], accepted: list) -> None:
+    """Interrupt `h` after the first improving solution `stop` accepts, kept in `accepted`
+    (HiGHS takes an interrupt only from its interrupt callback, not from the solution one)."""
+    def improving(event):
+        x = np.array(event.data_out.mip_solution[:n])
+        if not accepted and stop(x, float(event.data_out.objective_function_value)):
+            accepted.append(x)
+
+    def interrupt(event):
+        if accepted:
+            event.interrupt()
+
+    h.cbMipImprovingSolution.subscribe(improving)
+    h.cbMipInterrupt.subscribe(interrupt)
 
 
 _SETTLED = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit,

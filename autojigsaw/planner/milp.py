@@ -1,4 +1,4 @@
-"""Exact solve: a mixed-integer program (HiGHS, through scipy.optimize.milp).
+"""Exact solve: a mixed-integer program (HiGHS, through planner/highs.py).
 
 x[g, s] = 1 picks strategy s for every node of group g (nodes of repeated layers share a
 group). The objective is predicted step time: node times plus, per pair of groups joined by
@@ -31,6 +31,8 @@ splits the memory-saving strategies from the others: branching on single strateg
 twin that saves the same bytes (the same sharding on the other mesh axis) and moves nothing.
 Every branching starts from the fastest plan found so far that fits (a quick round's or a
 narrower window's) and keeps its columns in the window: HiGHS prunes with it from the first node.
+A quick round ends at the first improving plan that fits and lies within reach of the bound (its
+proof then branches once): proving the window's own optimum first only did the proof's work twice.
 """
 
 from __future__ import annotations
@@ -143,18 +145,23 @@ class _Model:
         fixable = np.concatenate(self.zero_one)
         slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
         window = _FIRST_WINDOW * abs(bound)
+        reach = 16 * window  # a plan this near the bound: its proof branches once, on the columns within reach
         if start is not None and prove:  # a proof from a plan near the bound needs no narrower window first
             distance = cost[:len(start)] @ start - bound
-            window = distance if distance <= 16 * window else window
+            window = distance if distance <= reach else window
         zero_rows = matrix.tocsr()[(lo == 0) & (hi == 0)]
         while True:
             keep = _propagated(zero_rows, ~fixable | (reduced <= window + slack)) | inside
-            best = self._branch(cost, matrix, lo, hi, upper, keep, deadline, start)
+            # a quick round ends at the first plan that fits, beats the start and lies near enough the bound
+            # for the proof to branch once: the proof follows from it
+            bar = min(np.inf if start is None else cost[:len(start)] @ start - slack, bound + reach)
+            stop = None if prove else (lambda x, objective: objective < bar and fits(x))
+            best = self._branch(cost, matrix, lo, hi, upper, keep, deadline, start, stop)
             if best is not None and not fits(best[0]):
                 return best[0]
             if best is None and keep.all():
                 return None
-            self.proven = best is not None and best[1] - bound <= window + slack
+            self.proven = best is not None and not best[2] and best[1] - bound <= window + slack
             if best is not None and not self.proven:  # a plan that fits: the wider windows start from it
                 start, inside = best[0], inside | (best[0] > 1e-9)
             if best is not None and (not prove or self.proven or self.gap):
@@ -165,15 +172,23 @@ class _Model:
             # widen step by step, as the best plan usually needs only a few more columns
             window = 4 * window + slack if best is None or best[1] - bound > 16 * window else best[1] - bound
 
-    def _branch(self, cost, matrix, lo, hi, upper, keep, deadline, start):
-        """(x, objective) of the MILP on the columns `keep`, the others fixed at 0; None if none fits."""
+    def _branch(self, cost, matrix, lo, hi, upper, keep, deadline, start, stop=None):
+        """(x, objective, stopped) of the MILP on the columns `keep`, the others fixed at 0; None if none
+        fits. `stop(x, objective)` may end the search at an improving plan (stopped: not proven optimal)."""
         key = np.packbits(keep).tobytes()
         if key in self._branched:
             return self._branched[key]
         cols = np.flatnonzero(keep)
         time_limit = max(deadline - time.perf_counter(), 1.0)
+
+        def whole(x_cols: np.ndarray) -> np.ndarray:
+            x = np.zeros(self.n)
+            x[cols] = x_cols
+            return x
+
         exact = highs.solve_mip(cost[cols], matrix[:, cols], lo, hi, upper[cols], np.concatenate(self.integer)[cols],
-                                time_limit, start=None if start is None else start[cols[cols < len(start)]])
+                                time_limit, start=None if start is None else start[cols[cols < len(start)]],
+                                stop=None if stop is None else (lambda x, objective: stop(whole(x), objective)))
         if exact.x is None:
             if exact.timed_out:
                 raise SolverTimeout(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
@@ -183,11 +198,10 @@ class _Model:
             return None
         if exact.timed_out:  # the time limit: keep the best plan found, and say how far off it may be
             self.gap = max(self.gap, exact.gap)
-        x = np.zeros(self.n)
-        x[cols] = exact.x
-        if not exact.timed_out:
-            self._branched[key] = (x, exact.objective)
-        return x, exact.objective
+        found = (whole(exact.x), exact.objective, exact.stopped)
+        if not exact.timed_out and not exact.stopped:
+            self._branched[key] = found
+        return found
 
 
 def _integral(x: np.ndarray) -> bool:
