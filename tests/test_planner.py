@@ -15,7 +15,7 @@ from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.estimate import CostContext
 from autojigsaw.ir import grads_by_name
 from autojigsaw.mesh import MeshSpec
-from autojigsaw.planner import build_problem, highs, solve
+from autojigsaw.planner import build_problem, highs, milp, solve
 from autojigsaw.strategies.annotate import annotate
 
 from .models import MLP, LinearStack
@@ -67,9 +67,18 @@ SMALL = {
 }
 
 
+@pytest.fixture(params=["rows up front", "rows found lazily"])
+def memory_rows(request, monkeypatch):
+    """Both ways the solve gets its memory rows: every peak candidate's up front (a few hundred
+    points), or round by round from plans that do not fit (larger programs)."""
+    if request.param == "rows found lazily":
+        monkeypatch.setattr(milp, "ROWS_UP_FRONT", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("name", SMALL)
-def test_matches_brute_force_optimum(name, training):
+def test_matches_brute_force_optimum(name, training, memory_rows):
     make, shape = SMALL[name]
     torch.manual_seed(0)
     problem = _problem(make(), (torch.randn(shape),), {"tensor": 2}, training=training)
@@ -136,7 +145,7 @@ def test_a_branching_ends_at_the_first_improving_plan_its_stop_accepts():
     assert first.objective > optimum.objective + 1e-6  # it ended early
 
 
-def test_every_branching_after_a_plan_that_fits_starts_from_it(monkeypatch):
+def test_every_branching_after_a_plan_that_fits_starts_from_it(monkeypatch, memory_rows):
     """The proofs under a budget hand HiGHS the fastest plan found so far that fits: each start
     is the objective of a real plan that fits, HiGHS never returns worse, and the optimum is kept."""
     starts, real = [], highs.solve_mip

@@ -16,7 +16,11 @@ as a proof costs far more than a round and a memory profile is flat across much 
 backward (every new row found by a proof costs another proof). Every row is exact at its point -- a saved storage read by several
 nodes is a variable z >= each reader's bytes, a collective buffer that exists only when
 producer and consumer placements differ uses w[P] <= both sides' mass on placement P --
-so a violated point never comes back, and the loop ends at the constrained optimum.
+so a violated point never comes back, and the loop ends at the constrained optimum. A program
+with at most ROWS_UP_FRONT points that can be a peak (the weather mixer: 111, a 2-layer Mistral
+on 2x2: 214) gets every one's row before the first solve instead: every plan then fits, and no
+branching proves the optimum of a window only to find that it breaks the budget (the 8-GPU
+mixer's took 150 s).
 
 A tight budget makes the LP relaxation fractional (it mixes a fast plan with a small one), and
 branching on the whole program -- tens of thousands of edge variables -- took minutes. The
@@ -52,6 +56,7 @@ from .problem import Problem
 _SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
 _FIRST_WINDOW = 3e-3  # reduced costs kept in the first branching, relative to the LP bound
 CUTS_PER_ROUND = 8  # memory rows added per plan that does not fit
+ROWS_UP_FRONT = 256  # at most this many points that can be a peak: each gets its row before the first solve
 
 
 @dataclass(frozen=True)
@@ -395,13 +400,14 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
     """
     start = time.perf_counter()
     builder = _Builder(problem, budget)
+    candidates = problem.memory.peak_candidates()
+    every_row = budget is not None and len(candidates) <= ROWS_UP_FRONT  # then every plan fits: prove at once
     cuts: list[int] = []
     if budget is not None:
-        for point in known_cuts:
+        for point in [int(c) for c in candidates] if every_row else known_cuts:
             builder.add_memory_row(point)
             cuts.append(point)
-    candidates = problem.memory.peak_candidates()
-    solves, prove = 0, budget is None
+    solves, prove = 0, budget is None or every_row
     best: tuple[float, np.ndarray] | None = None  # the fastest plan found that fits: every solve starts from it
     while True:
         # the memory rows a plan needs are found on quick plans; only the last solve proves optimality
