@@ -17,10 +17,10 @@ backward (every new row found by a proof costs another proof). Every row is exac
 nodes is a variable z >= each reader's bytes, a collective buffer that exists only when
 producer and consumer placements differ uses w[P] <= both sides' mass on placement P --
 so a violated point never comes back, and the loop ends at the constrained optimum. A program
-with at most ROWS_UP_FRONT points that can be a peak (the weather mixer: 111, a 2-layer Mistral
-on 2x2: 214) gets every one's row before the first solve instead: every plan then fits, and no
-branching proves the optimum of a window only to find that it breaks the budget (the 8-GPU
-mixer's took 150 s).
+with at most ROWS_UP_FRONT points that can be a peak (the weather mixer: 111) gets every one's
+row before the first solve instead: every plan then fits, and no branching proves the optimum of
+a window only to find that it breaks the budget (the 8-GPU mixer's took 150 s). More rows make
+every LP denser: a 2-layer Mistral on 2x2 (214 points) solves faster with the rounds.
 
 A tight budget makes the LP relaxation fractional (it mixes a fast plan with a small one), and
 branching on the whole program -- tens of thousands of edge variables -- took minutes. The
@@ -56,7 +56,7 @@ from .problem import Problem
 _SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
 _FIRST_WINDOW = 3e-3  # reduced costs kept in the first branching, relative to the LP bound
 CUTS_PER_ROUND = 8  # memory rows added per plan that does not fit
-ROWS_UP_FRONT = 256  # at most this many points that can be a peak: each gets its row before the first solve
+ROWS_UP_FRONT = 128  # at most this many points that can be a peak: each gets its row before the first solve
 
 
 @dataclass(frozen=True)
