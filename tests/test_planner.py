@@ -69,7 +69,7 @@ SMALL = {
 
 @pytest.fixture(params=["rows up front", "rows found lazily"])
 def memory_rows(request, monkeypatch):
-    """Both ways the solve gets its memory rows: every peak candidate's up front (a few hundred
+    """Both ways the solve gets its memory rows: every peak candidate's up front (up to 128
     points), or round by round from plans that do not fit (larger programs)."""
     if request.param == "rows found lazily":
         monkeypatch.setattr(milp, "ROWS_UP_FRONT", 0)
