@@ -95,19 +95,25 @@ def test_matches_brute_force_optimum(name, training, memory_rows):
     assert solve(problem, float(peak.min()) * 0.999) is None  # below every combination: infeasible
 
 
-def test_lp_duals_price_every_column_as_the_reduced_cost_fixing_assumes():
-    """The windows keep the columns whose reduced cost, cost - matrix.T @ duals, is small: at the LP
-    optimum that is >= 0 at a column's lower bound, <= 0 at its upper, 0 between (a sign error would
-    drop the columns an optimal plan needs)."""
-    rng = np.random.default_rng(0)
-    groups, choices = 12, 4
+def _knapsack(seed: int, groups: int, choices: int):
+    """A multiple-choice knapsack, one of `choices` per group, under a budget that binds (the LP
+    mixes choices): cost, size, the pick-one rows, the whole matrix, row bounds, the budget."""
+    rng = np.random.default_rng(seed)
     n = groups * choices
     cost, size = rng.uniform(1, 10, n), rng.uniform(1, 10, n)
     pick_one = sp.csr_matrix((np.ones(n), (np.repeat(np.arange(groups), choices), np.arange(n))), shape=(groups, n))
     matrix = sp.vstack([pick_one, sp.csr_matrix(size[None, :])]).tocsc()
-    budget = 0.6 * size.reshape(groups, choices).mean(axis=1).sum()  # binding: the LP mixes choices
+    budget = 0.6 * size.reshape(groups, choices).mean(axis=1).sum()
     lo, hi = np.r_[np.ones(groups), -np.inf], np.r_[np.ones(groups), budget]
-    lp = highs.solve_lp(cost, matrix, lo, hi, np.ones(n), 60.0)
+    return cost, size, pick_one, matrix, lo, hi, budget
+
+
+def test_lp_duals_price_every_column_as_the_reduced_cost_fixing_assumes():
+    """The windows keep the columns whose reduced cost, cost - matrix.T @ duals, is small: at the LP
+    optimum that is >= 0 at a column's lower bound, <= 0 at its upper, 0 between (a sign error would
+    drop the columns an optimal plan needs)."""
+    cost, size, pick_one, matrix, lo, hi, budget = _knapsack(seed=0, groups=12, choices=4)
+    lp = highs.solve_lp(cost, matrix, lo, hi, np.ones(len(cost)), 60.0)
     reduced, x = cost - matrix.T @ lp.duals, lp.x
     assert lp.duals[-1] < 0 and size @ x == pytest.approx(budget)  # the budget binds
     assert reduced[x < 1e-9].min() >= -1e-9 and reduced[x > 1 - 1e-9].max() <= 1e-9
@@ -119,15 +125,8 @@ def test_lp_duals_price_every_column_as_the_reduced_cost_fixing_assumes():
 def test_a_branching_ends_at_the_first_improving_plan_its_stop_accepts():
     """solve_mip(stop=...) offers every improving solution to `stop` and returns the first it
     accepts, feasible and not claimed optimal; a stop that accepts none leaves the optimum."""
-    rng = np.random.default_rng(1)
-    groups, choices = 30, 5
-    n = groups * choices
-    cost, size = rng.uniform(1, 10, n), rng.uniform(1, 10, n)
-    pick_one = sp.csr_matrix((np.ones(n), (np.repeat(np.arange(groups), choices), np.arange(n))), shape=(groups, n))
-    matrix = sp.vstack([pick_one, sp.csr_matrix(size[None, :])]).tocsc()
-    budget = 0.6 * size.reshape(groups, choices).mean(axis=1).sum()
-    lo, hi = np.r_[np.ones(groups), -np.inf], np.r_[np.ones(groups), budget]
-    args = (cost, matrix, lo, hi, np.ones(n), np.ones(n, dtype=bool), 60.0)
+    cost, size, pick_one, matrix, lo, hi, budget = _knapsack(seed=1, groups=30, choices=5)
+    args = (cost, matrix, lo, hi, np.ones(len(cost)), np.ones(len(cost), dtype=bool), 60.0)
     offered = []
 
     def never(x, objective):
