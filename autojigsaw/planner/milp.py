@@ -119,7 +119,8 @@ class _Model:
               fits: Callable[[np.ndarray], bool] = lambda x: True, start: np.ndarray | None = None
               ) -> np.ndarray | None:
         """The optimum, from the LP relaxation when that is integral (it usually is), else by branching;
-        with `prove` False, the first plan the narrowest window of columns holds (not proven optimal);
+        with `prove` False, the first improving plan that fits near the bound, else the narrowest window's
+        best plan (not proven optimal);
         a window's plan that does not `fit` is returned at once, for the rows it lacks. `start`: a plan
         that fits, an earlier solution (of this model before its last rows: variables are only
         appended), which every branching starts from and keeps in its window."""
