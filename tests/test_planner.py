@@ -108,6 +108,34 @@ def _knapsack(seed: int, groups: int, choices: int):
     return cost, size, pick_one, matrix, lo, hi, budget
 
 
+@pytest.mark.parametrize("name", SMALL)
+def test_a_search_for_a_plan_faster_than_beat_finds_the_optimum_or_rules_it_out(name, memory_rows):
+    """solve(beat=t) returns the optimum when it is faster than t, and None when it is not (the
+    variant cannot win): whether the LP bound or the pruned branching decides."""
+    make, shape = SMALL[name]
+    torch.manual_seed(0)
+    problem = _problem(make(), (torch.randn(shape),), {"tensor": 2})
+    objective, peak, _ = _brute_force(problem, None)
+    for budget in [None, float(np.quantile(peak, 0.3)), float(np.quantile(peak, 0.05))]:
+        _, _, fits = _brute_force(problem, budget)
+        best = objective[fits].min()
+        assert solve(problem, budget, beat=best * (1 + 1e-6)).objective == pytest.approx(best, rel=1e-9, abs=1e-15)
+        assert solve(problem, budget, beat=best * (1 - 1e-6)) is None
+
+
+def test_a_cutoff_prunes_the_branching_to_solutions_below_it():
+    """solve_mip(cutoff=c) gives the optimum when it is below c, and no solution when it is not,
+    though HiGHS' heuristics find plans above c (the LP bound is below c: branching decides)."""
+    cost, size, pick_one, matrix, lo, hi, budget = _knapsack(seed=1, groups=30, choices=5)
+    args = (cost, matrix, lo, hi, np.ones(len(cost)), np.ones(len(cost), dtype=bool), 60.0)
+    optimum = highs.solve_mip(*args).objective
+    assert highs.solve_lp(*args[:5], 60.0).objective < optimum * (1 - 1e-3)
+    below = highs.solve_mip(*args, cutoff=optimum * (1 + 1e-6))
+    assert below.objective == pytest.approx(optimum) and below.objective == pytest.approx(cost @ below.x)
+    for cutoff in (optimum * (1 - 1e-6), optimum * (1 - 1e-3)):
+        assert highs.solve_mip(*args, cutoff=cutoff).x is None
+
+
 def test_lp_duals_price_every_column_as_the_reduced_cost_fixing_assumes():
     """The windows keep the columns whose reduced cost, cost - matrix.T @ duals, is small: at the LP
     optimum that is >= 0 at a column's lower bound, <= 0 at its upper, 0 between (a sign error would

@@ -107,6 +107,26 @@ def test_auto_recomputes_only_when_the_budget_asks():
     assert {policy for _, policy in tight.recompute} == {"full"}
 
 
+def test_once_no_recomputation_fits_the_other_variants_are_searched_only_for_a_faster_plan(monkeypatch):
+    """'auto' solves each recomputed variant with beat= the time of the plan without recomputation:
+    here each has a plan of its own, slower, and is ruled out; the plan is the one without."""
+    real, calls = autojigsaw.api.solve, []
+
+    def recorded(problem, budget, **kw):
+        calls.append((problem, budget, kw.get("beat"), real(problem, budget, **kw)))
+        return calls[-1][-1]
+
+    monkeypatch.setattr(autojigsaw.api, "solve", recorded)
+    plan = _plan("auto")
+    (_, _, no_beat, none), *variants = calls
+    assert no_beat is None and none is not None and len(variants) == 2
+    for problem, budget, beat, solution in variants:
+        assert beat == none.objective and solution is None
+        assert real(problem, budget).objective > beat
+    monkeypatch.undo()
+    assert plan.recompute == () and plan.fingerprint() == _plan("none").fingerprint()
+
+
 def test_a_recomputation_variant_out_of_time_keeps_the_others_plans(monkeypatch):
     """'auto' solves several variants; one that hits the time limit warns and counts as not
     fitting, instead of failing the plan. If every variant runs out, the time limit is the error."""

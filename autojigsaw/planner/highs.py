@@ -76,13 +76,18 @@ def solve_lp(cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Resu
 
 
 def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, *,
-              start: np.ndarray | None = None, stop: Callable[[np.ndarray, float], bool] | None = None) -> Result:
+              start: np.ndarray | None = None, stop: Callable[[np.ndarray, float], bool] | None = None,
+              cutoff: float = np.inf) -> Result:
     """The MILP over the same rows with `integer` columns integral, from a feasible solution:
     `start` gives the values of the first len(start) columns, and HiGHS completes the others.
     `stop(x, objective)`, asked of every improving solution, ends the search at the first it accepts
-    (returned `stopped`: not proven optimal)."""
+    (returned `stopped`: not proven optimal). `cutoff`: only a solution below it is wanted; HiGHS
+    prunes every node whose bound reaches it, and x is None when none is below."""
     # HiGHS presolve restarts cost more than they save here; the planner's column windows do the useful part
-    h = _highs(cost, matrix, lo, hi, upper, integer, time_limit, {"presolve": "off", "mip_rel_gap": 1e-7})
+    options = {"presolve": "off", "mip_rel_gap": 1e-7}
+    if np.isfinite(cutoff):
+        options["objective_bound"] = float(cutoff)
+    h = _highs(cost, matrix, lo, hi, upper, integer, time_limit, options)
     if start is not None and len(start):
         h.setSolution(len(start), np.arange(len(start), dtype=np.int32), np.asarray(start, dtype=float))
     accepted: list[np.ndarray] = []
@@ -91,7 +96,10 @@ def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: floa
     h.run()
     if accepted:
         return Result(accepted[0], float(cost @ accepted[0]), False, 0.0, stopped=True)
-    return _result(h, dual=False)
+    found = _result(h, dual=False)
+    if found.objective >= cutoff:  # HiGHS keeps a solution its heuristics found above the cutoff
+        return Result(None, float("inf"), found.timed_out, 0.0)
+    return found
 
 
 def _stop_at(h: highspy.Highs, n: int, stop: Callable[[np.ndarray, float], bool], accepted: list) -> None:

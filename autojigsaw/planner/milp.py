@@ -80,8 +80,9 @@ class SolverTimeout(ValueError):
 class _Model:
     """Sparse rows, bounds and integrality of one growing MILP."""
 
-    def __init__(self, n_x: int):
+    def __init__(self, n_x: int, cutoff: float = np.inf):
         self.n = n_x
+        self.cutoff = cutoff  # only a plan below this objective is wanted: none found above it is returned
         self.cost: list[np.ndarray] = [np.zeros(n_x)]
         self.upper: list[np.ndarray] = [np.ones(n_x)]
         self.zero_one: list[np.ndarray] = [np.ones(n_x, dtype=bool)]  # 0 or 1 in every integral solution
@@ -134,9 +135,10 @@ class _Model:
         if self._relaxed is None or self._relaxed[0] != shape:
             self._relaxed, self._branched = (shape, highs.solve_lp(cost, matrix, lo, hi, upper, time_limit)), {}
         relaxed = self._relaxed[1]
+        slack = 1e-7 * abs(relaxed.objective) + 1e-6  # HiGHS' tolerances, in the objective's units
         if not relaxed.timed_out:
-            if relaxed.x is None:
-                return None  # infeasible even fractionally
+            if relaxed.x is None or relaxed.objective >= self.cutoff - slack:
+                return None  # infeasible even fractionally, or no plan can beat the cutoff
             if _integral(relaxed.x[:n_int]):
                 self.proven = True
                 return relaxed.x
@@ -149,8 +151,8 @@ class _Model:
             return None if best is None else best[0]
         bound, reduced = relaxed.objective, cost - matrix.T @ relaxed.duals
         fixable = np.concatenate(self.zero_one)
-        slack = 1e-7 * abs(bound) + 1e-6  # HiGHS' tolerances, in the objective's units
-        window = _FIRST_WINDOW * abs(bound)
+        # a column whose reduced cost reaches past the cutoff is in no plan below it: no window need be wider
+        window = min(_FIRST_WINDOW * abs(bound), self.cutoff - bound)
         reach = 16 * window  # a plan this near the bound: its proof branches once, on the columns within reach
         if start is not None and prove:  # a proof from a plan near the bound needs no narrower window first
             distance = cost[:len(start)] @ start - bound
@@ -160,12 +162,12 @@ class _Model:
             keep = _propagated(zero_rows, ~fixable | (reduced <= window + slack)) | inside
             # a quick round ends at the first plan that fits, beats the start and lies near enough the bound
             # for the proof to branch once: the proof follows from it
-            bar = min(np.inf if start is None else cost[:len(start)] @ start - slack, bound + reach)
+            bar = min(np.inf if start is None else cost[:len(start)] @ start - slack, bound + reach, self.cutoff)
             stop = None if prove else (lambda x, objective: objective < bar and fits(x))
             best = self._branch(cost, matrix, lo, hi, upper, keep, deadline, start, stop)
             if best is not None and not fits(best[0]):
                 return best[0]
-            if best is None and keep.all():
+            if best is None and (keep.all() or window >= self.cutoff - bound):
                 return None
             self.proven = best is not None and not best[2] and best[1] - bound <= window + slack
             if best is not None and not self.proven:  # a plan that fits: the wider windows start from it
@@ -175,8 +177,13 @@ class _Model:
                     self.gap = max(self.gap, (best[1] - bound) / abs(best[1]))
                 return best[0]
             # no plan among the kept columns, or one too far above the bound to rule the others out:
-            # widen step by step, as the best plan usually needs only a few more columns
-            window = 4 * window + slack if best is None or best[1] - bound > 16 * window else best[1] - bound
+            # widen step by step, as the best plan usually needs only a few more columns; with a cutoff and
+            # no plan yet, straight to the cutoff's window (narrower ones would each prove "none" again)
+            if best is None and np.isfinite(self.cutoff):
+                window = self.cutoff - bound
+            else:
+                window = min(4 * window + slack if best is None or best[1] - bound > 16 * window else best[1] - bound,
+                             self.cutoff - bound)
 
     def _branch(self, cost, matrix, lo, hi, upper, keep, deadline, start, stop=None):
         """(x, objective, stopped) of the MILP on the columns `keep`, the others fixed at 0; None if none
@@ -194,7 +201,8 @@ class _Model:
 
         exact = highs.solve_mip(cost[cols], matrix[:, cols], lo, hi, upper[cols], np.concatenate(self.integer)[cols],
                                 time_limit, start=None if start is None else start[cols[cols < len(start)]],
-                                stop=None if stop is None else (lambda x, objective: stop(whole(x), objective)))
+                                stop=None if stop is None else (lambda x, objective: stop(whole(x), objective)),
+                                cutoff=self.cutoff)
         if exact.x is None:
             if exact.timed_out:
                 raise SolverTimeout(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
@@ -231,14 +239,14 @@ def _propagated(zero_rows, keep: np.ndarray) -> np.ndarray:
 class _Builder:
     """The MILP of a Problem: x per group, y per edge block, memory rows on demand."""
 
-    def __init__(self, problem: Problem, budget: float | None):
+    def __init__(self, problem: Problem, budget: float | None, beat: float | None = None):
         self.p = problem
         self.budget = budget
         reps = np.unique(problem.group, return_index=True)[1]
         self.rep = reps  # the first node of every group
         self.sizes = np.array([len(problem.strategies[r]) for r in reps])
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
-        self.model = _Model(int(self.offsets[-1]))
+        self.model = _Model(int(self.offsets[-1]), np.inf if beat is None else beat * _SCALE)
         self.z: dict[int, int] = {}
         self.w: dict[tuple, tuple[int, np.ndarray]] = {}
         self._assignment()
@@ -393,14 +401,16 @@ class _Builder:
 
 
 def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
-          known_cuts: tuple[int, ...] = ()) -> Solution | None:
+          known_cuts: tuple[int, ...] = (), beat: float | None = None) -> Solution | None:
     """The strategy per node minimizing predicted step time with peak memory <= budget; None if none fits.
 
     `known_cuts`: program points whose memory rows a similar problem needed (a recomputation
     variant of this one), added up front: each is exact, and each found again costs a solve.
+    `beat`: seconds a plan must be faster than (another variant's plan), else None; the search
+    prunes at it, so a variant that cannot win is ruled out without being solved.
     """
     start = time.perf_counter()
-    builder = _Builder(problem, budget)
+    builder = _Builder(problem, budget, beat)
     candidates = problem.memory.peak_candidates()
     every_row = budget is not None and len(candidates) <= ROWS_UP_FRONT  # then every plan fits: prove at once
     cuts: list[int] = []

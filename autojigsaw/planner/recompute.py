@@ -6,7 +6,8 @@ again; which k does not matter for the peak, only how many, and earlier layers' 
 live longest. "auto" solves the sharding for no recomputation, and for each policy at the
 fewest layers that fit (bisection: fitting is monotone in k) and at every layer, and keeps
 the fastest plan: recomputation is chosen per layer, jointly with the sharding, in a handful
-of MILPs. A variant whose solve runs out of time counts as not fitting, with a warning, so
+of MILPs. Once a plan fits, a later variant is searched only for a faster one: HiGHS prunes at
+the fastest plan's time, and a variant whose LP bound is above it is ruled out at once. A variant whose solve runs out of time counts as not fitting, with a warning, so
 that one hard variant does not lose the plans of the others.
 """
 
@@ -44,10 +45,10 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
     timeouts: list[tuple[str, SolverTimeout]] = []
     cuts: dict[int, None] = {}  # the memory rows earlier variants needed, in the order found
 
-    def attempt(pol: str, k: int) -> Recomputed:
+    def attempt(pol: str, k: int, beat: float | None = None) -> Recomputed:
         p, chosen = variant(problem, nodes, layers, pol, k) if k else (problem, ())
         try:
-            solution = solve(p, budget, known_cuts=tuple(cuts))
+            solution = solve(p, budget, known_cuts=tuple(cuts), beat=beat)
             cuts.update(dict.fromkeys(solution.cuts if solution else ()))
             return Recomputed(p, solution, chosen)
         except SolverTimeout as e:
@@ -59,10 +60,13 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
         return Recomputed(p, solve(p, budget), chosen)
     tried = [attempt("none", 0)]
     for pol in POLICIES:
+        if tried[0].solution is not None:  # no recomputation fits: a variant is wanted only if it is faster
+            tried.append(attempt(pol, len(layers), beat=_fastest(tried).solution.objective))
+            continue
         every = attempt(pol, len(layers))
         tried.append(every)
-        if every.solution is None or tried[0].solution is not None:
-            continue  # nothing fits, or no recomputation already fits: fewer layers would not help memory
+        if every.solution is None:
+            continue  # nothing fits
         lo, hi, best = 0, len(layers), every  # fits at hi, not at lo
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -79,7 +83,11 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
         warnings.warn("planner: activation_checkpointing='auto' ran out of time on "
                       + ", ".join(name for name, _ in timeouts)
                       + "; the plan is the fastest of the variants it solved", stacklevel=3)
-    return min(feasible, key=lambda r: r.solution.objective) if feasible else tried[0]
+    return _fastest(tried) if feasible else tried[0]
+
+
+def _fastest(tried: list[Recomputed]) -> Recomputed:
+    return min((r for r in tried if r.solution is not None), key=lambda r: r.solution.objective)
 
 
 def variant(problem: Problem, nodes: list[Node], layers: list[Layer], policy: str, k: int):
