@@ -37,6 +37,8 @@ Every branching starts from the fastest plan found so far that fits (a quick rou
 narrower window's) and keeps its columns in the window: HiGHS prunes with it from the first node.
 A quick round ends at the first improving plan that fits and lies within reach of the bound (its
 proof then branches once): proving the window's own optimum first only did the proof's work twice.
+A solve may be asked only for a plan faster than `beat` (another recomputation variant's): HiGHS
+prunes at it, an LP bound above it ends the solve at once, and no window need reach past it.
 """
 
 from __future__ import annotations
