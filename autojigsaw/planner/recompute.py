@@ -6,9 +6,10 @@ again; which k does not matter for the peak, only how many, and earlier layers' 
 live longest. "auto" solves the sharding for no recomputation, and for each policy at the
 fewest layers that fit (bisection: fitting is monotone in k) and at every layer, and keeps
 the fastest plan: recomputation is chosen per layer, jointly with the sharding, in a handful
-of MILPs. Once a plan fits, a later variant is searched only for a faster one: HiGHS prunes at
-the fastest plan's time, and a variant whose LP bound is above it is ruled out at once. A variant whose solve runs out of time counts as not fitting, with a warning, so
-that one hard variant does not lose the plans of the others.
+of MILPs. When the plan without recomputation fits, each recomputed variant is searched only
+for a faster plan: HiGHS prunes at the fastest plan's time, and a variant whose LP bound is
+above it is ruled out at once. A variant whose solve runs out of time counts as not fitting,
+with a warning, so that one hard variant does not lose the plans of the others.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
         return Recomputed(p, solve(p, budget), chosen)
     tried = [attempt("none", 0)]
     for pol in POLICIES:
-        if tried[0].solution is not None:  # no recomputation fits: a variant is wanted only if it is faster
+        if tried[0].solution is not None:  # the plan without recomputation fits: only a faster one is wanted
             tried.append(attempt(pol, len(layers), beat=_fastest(tried).solution.objective))
             continue
         every = attempt(pol, len(layers))
