@@ -118,8 +118,10 @@ def _stop_at(h: highspy.Highs, n: int, stop: Callable[[np.ndarray, float], bool]
     h.cbMipInterrupt.subscribe(interrupt)
 
 
+# kObjectiveBound: the cutoff pruned the whole search (HiGHS 1.16 says kOptimal or kInfeasible instead)
 _SETTLED = (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit,
-            highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible)
+            highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible,
+            highspy.HighsModelStatus.kObjectiveBound)
 
 
 def _result(h: highspy.Highs, dual: bool) -> Result:
