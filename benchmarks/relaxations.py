@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scipy.sparse import coo_matrix, csr_matrix, hstack, identity, vstack
+from scipy.sparse import csr_matrix, hstack, identity, vstack
 from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +39,14 @@ import autojigsaw.api as api  # noqa: E402
 from autojigsaw.planner import highs, milp  # noqa: E402
 from benchmarks.families import WeatherMixerFamily  # noqa: E402
 from benchmarks.scaling import MIXED  # noqa: E402
-from benchmarks.solve_speed import TWO, TWO_BY_TWO, small  # noqa: E402
+from benchmarks.solve_speed import TWO, TWO_BY_TWO, one_rank_memory, small  # noqa: E402
 
 
 def under(name: str, mesh: dict[str, int], fraction: float):
     """A small case of solve_speed.py under `fraction` of its 1-rank memory (cpu spec, float64)."""
+    budget = int(fraction * one_rank_memory(name))
     model, inputs = small(name)
-    whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
-    model, inputs = small(name)
-    return lambda: autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(fraction * whole))
+    return lambda: autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget)
 
 
 def mixer_edge():
@@ -81,16 +80,14 @@ def solved_problem(make_plan) -> tuple:
 
 
 def program(problem, budget: float, points) -> tuple:
-    """(cost, matrix, lo, hi, upper, integer, memory rows) of the planner's MILP with these points' rows."""
+    """(cost, matrix, lo, hi, upper, integer, which rows are memory rows, builder) of the planner's MILP
+    with these points' memory rows."""
     builder = milp._Builder(problem, budget)
     for point in points:
         builder.add_memory_row(int(point))
-    m = builder.model
-    matrix = coo_matrix((np.concatenate(m.vals), (np.concatenate(m.rows), np.concatenate(m.cols))),
-                        shape=(len(m.lo), m.n)).tocsr()
-    lo, hi = np.array(m.lo), np.array(m.hi)
+    cost, matrix, lo, hi, upper = builder.model.arrays()
     memory = np.isinf(lo) & (hi == 1.0)  # the memory rows: bytes / budget <= 1
-    return np.concatenate(m.cost), matrix, lo, hi, np.concatenate(m.upper), np.concatenate(m.integer), memory, builder
+    return cost, matrix.tocsr(), lo, hi, upper, np.concatenate(builder.model.integer), memory, builder
 
 
 def as_differences(cost, matrix, lo, hi, upper, integer, memory) -> tuple:

@@ -103,13 +103,18 @@ class Recorder:
                 f"{sum(c[4] for c in self.calls):.2f}", status)
 
 
-def run_small(name: str, mesh: dict[str, int], fraction: float) -> tuple:
+def one_rank_memory(name: str) -> float:
+    """Bytes per rank of a small case's plan on one rank: what its budgets are fractions of."""
     model, inputs = small(name)
-    whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+
+
+def run_small(name: str, mesh: dict[str, int], fraction: float) -> tuple:
+    budget = int(fraction * one_rank_memory(name))
     model, inputs = small(name)
     with Recorder() as rec:
         try:
-            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(fraction * whole))
+            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget)
             objective = f"{plan.step_time * 1e6:.3f} us"
         except ValueError as e:
             objective = f"infeasible ({str(e).splitlines()[0][:40]}...)"

@@ -118,6 +118,12 @@ class _Model:
         self.lo.extend(np.broadcast_to(lo, (int(np.max(rows)) + 1 if len(rows) else 0,)))
         self.hi.extend(np.broadcast_to(hi, (int(np.max(rows)) + 1 if len(rows) else 0,)))
 
+    def arrays(self) -> tuple:
+        """(cost, matrix (CSC), row lower, row upper, column upper) of the program as it stands."""
+        matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
+                            shape=(len(self.lo), self.n)).tocsc()
+        return np.concatenate(self.cost), matrix, np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
+
     def solve(self, n_int: int, time_limit: float, prove: bool = True,
               fits: Callable[[np.ndarray], bool] = lambda x: True, start: np.ndarray | None = None
               ) -> np.ndarray | None:
@@ -129,10 +135,7 @@ class _Model:
         appended), which every branching starts from and keeps in its window."""
         deadline = time.perf_counter() + time_limit
         self.proven = False
-        cost = np.concatenate(self.cost)
-        matrix = coo_matrix((np.concatenate(self.vals), (np.concatenate(self.rows), np.concatenate(self.cols))),
-                            shape=(len(self.lo), self.n)).tocsc()
-        lo, hi, upper = np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
+        cost, matrix, lo, hi, upper = self.arrays()
         shape = (self.n, len(self.lo))
         if self._relaxed is None or self._relaxed[0] != shape:
             self._relaxed, self._branched = (shape, highs.solve_lp(cost, matrix, lo, hi, upper, time_limit)), {}
