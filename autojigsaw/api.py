@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import numbers
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,7 +27,7 @@ from .cost_model.memory import Optimizer, optimizer_spec
 from .dtypes import value_carries_grad
 from .ir import grads_by_name
 from .mesh import MeshSpec, RankView
-from .placements import Placements, normalize
+from .placements import Placement, Placements, normalize
 from .plan import Plan, PlanStats
 from .planner import build_problem, solve
 from .planner.assemble import assemble, fixed_solution
@@ -59,6 +60,19 @@ class Options:
     output_placements: Sequence[Placements | None] | None = None  # None entries: autojigsaw chooses
     tie_layers: bool | None = None  # one strategy per node of repeated layers; None: for big problems
     regime: Regime = Regime()  # mixed precision, recomputation, data parallelism
+
+    def __post_init__(self):
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
+                                   or not 0 < budget < float("inf")):
+            raise ValueError(f"memory_budget={budget!r} is not a budget: give bytes per rank as a positive number "
+                             "(e.g. 40 * 2**30 for 40 GiB), or None for the default")
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"the model must be a torch.nn.Module, got {type(model).__name__}: wrap a function in a "
+                         "Module whose forward calls it")
 
 
 def regime_of(mesh: MeshSpec, device: str | DeviceSpec, mp_policy, activation_checkpointing: str,
@@ -119,6 +133,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
                                device="h100", memory_budget=60 * 2**30)
         print(plan)  # the table, the predicted seconds per step, bytes per rank
     """
+    _check_model(model)
     mesh = MeshSpec.of(mesh)
     regime = regime_of(mesh, device, mp_policy, activation_checkpointing, data_parallel)
     options = Options(device, training, memory_budget, optimizer, input_placements, output_placements, tie_layers,
@@ -174,6 +189,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
         opt = torch.optim.AdamW(pmodel.parameters())
         pmodel(x).square().mean().backward(); opt.step()
     """
+    _check_model(model)
     device = device or device_of(mesh)
     spec = MeshSpec.of(mesh)
     if plan is not None and data_parallel is None:
@@ -392,6 +408,9 @@ def _checked(pl: Placements, mesh: MeshSpec, shape, what: str) -> Placements:
         raise ValueError(f"{what}: {len(pl)} placements for a mesh of {mesh.ndim} axes "
                          f"({mesh.describe()}); give one placement per mesh axis")
     for p, axis in zip(pl, mesh.axis_names):
+        if not isinstance(p, Placement):
+            raise ValueError(f"{what}: {p!r} on axis {axis!r} is not a DTensor placement; give Shard(dim), "
+                             "Replicate() or Partial() from torch.distributed.tensor")
         if getattr(p, "dim", None) is not None and not -len(shape) <= p.dim < len(shape):
             raise ValueError(f"{what}: {p} on axis {axis!r} names a dim the tensor of shape "
                              f"{tuple(shape)} does not have")

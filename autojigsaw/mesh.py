@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -34,7 +35,7 @@ class MeshSpec:
         if len(set(self.axis_names)) != len(self.axis_names):
             raise ValueError(f"mesh axis names must be unique, got {self.axis_names}")
         for name, size in zip(self.axis_names, self.sizes):
-            if not isinstance(size, int) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes are positive ints")
 
     @classmethod
@@ -43,7 +44,7 @@ class MeshSpec:
         if isinstance(mesh, MeshSpec):
             return mesh
         if isinstance(mesh, Mapping):
-            return cls(tuple(str(k) for k in mesh), tuple(int(v) for v in mesh.values()))
+            return cls(tuple(str(k) for k in mesh), tuple(_exact_int(v) for v in mesh.values()))
         names = getattr(mesh, "mesh_dim_names", None)
         if names is None:
             if hasattr(mesh, "mesh"):
@@ -132,3 +133,14 @@ def _fake_device_mesh(mesh: MeshSpec, coord: tuple[int, ...]):
 
     ranks = torch.arange(mesh.world_size).reshape(mesh.sizes)
     return DeviceMesh("cpu", ranks, mesh_dim_names=mesh.axis_names, _init_backend=False, _rank=int(ranks[coord]))
+
+
+def _exact_int(size):
+    """`size` as an int when it is one (numpy's too); else unchanged, for MeshSpec to refuse
+    (int() would turn 2.5 into 2 and True into 1)."""
+    if isinstance(size, bool):
+        return size
+    try:
+        return operator.index(size)
+    except TypeError:
+        return size

@@ -20,6 +20,8 @@ def _plan(**kw):
     ({"tensor": 0}, "axis 'tensor' has size 0"),
     ({}, "one size per axis"),
     ([2, 2], "mapping of axis name to size"),
+    ({"tensor": 2.5}, r"axis 'tensor' has size 2.5; sizes are positive ints"),  # int() would plan for 2
+    ({"tensor": True}, r"axis 'tensor' has size True"),
 ])
 def test_bad_mesh(mesh, match):
     with pytest.raises(ValueError, match=match):
@@ -39,6 +41,25 @@ def test_input_placement_on_missing_dim():
 def test_budget_too_small_names_largest_tensors():
     with pytest.raises(ValueError, match=r"no plan fits the memory budget.*fc1.weight.*bigger mesh"):
         _plan(memory_budget=1000)
+
+
+@pytest.mark.parametrize("budget", [-5, 0, float("nan"), float("inf"), "40GB", True])
+def test_budget_that_is_no_budget(budget):
+    # a negative budget reached the solver as a flipped row and failed an internal assertion
+    with pytest.raises(ValueError, match=r"memory_budget=.* is not a budget: give bytes per rank as a positive"):
+        _plan(memory_budget=budget)
+
+
+def test_placement_that_is_no_placement():
+    with pytest.raises(ValueError, match=r"input 'x': 'S0' on axis 'tensor' is not a DTensor placement; give Shard"):
+        _plan(input_placements=[("S0",)])
+
+
+def test_model_that_is_no_module():
+    with pytest.raises(ValueError, match=r"must be a torch.nn.Module, got function"):
+        autojigsaw.plan(lambda x: x, (X,), {"tensor": 2}, device="cpu")
+    with pytest.raises(ValueError, match=r"must be a torch.nn.Module, got function"):
+        autojigsaw.parallelize(lambda x: x, {"tensor": 2}, (X,))
 
 
 def test_unknown_device():
