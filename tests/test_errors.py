@@ -117,6 +117,34 @@ def _plan_for_other_mesh_and_wrong_inputs():
     return errors
 
 
+def _optimizer_made_before_and_after_parallelize():
+    from autojigsaw.testing.local_ranks import get_mesh
+
+    mesh = get_mesh((2,), ("tensor",))
+    model = build("mlp", torch.float32)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    pmodel = autojigsaw.parallelize(model, mesh, (X,), compile=False)
+    late = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+    before = [p.full_tensor().clone() for p in pmodel.parameters()]
+    pmodel(X).square().sum().backward()
+    try:
+        early.step()
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    late.step()  # the optimizer made after parallelize steps the model's shards
+    moved = all(not torch.equal(p.full_tensor(), b) for p, b in zip(pmodel.parameters(), before))
+    return error, moved
+
+
+def test_optimizer_made_before_parallelize_is_refused(ranks2):
+    # its step changed nothing the model uses: training ran on with the initial weights, silently
+    for error, moved in ranks2.run(_optimizer_made_before_and_after_parallelize):
+        assert "holds parameter 'fc1.weight' as it was before autojigsaw.parallelize" in error
+        assert "create the optimizer after parallelize" in error
+        assert moved
+
+
 def test_plan_for_another_mesh_and_inputs_of_another_shape(ranks2):
     for errors in ranks2.run(_plan_for_other_mesh_and_wrong_inputs):
         assert "made for mesh tensor=4 but the module runs on tensor=2" in errors[0]

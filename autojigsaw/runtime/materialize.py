@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..placements import Placements, local_offset, local_shape
 from .init import forget, is_recorded, materialize
+from .replaced import mark_replaced
 
 
 def local_view(t: torch.Tensor, placements: Placements, mesh_sizes, coord) -> torch.Tensor:
@@ -51,6 +52,7 @@ def shard_parameters(model: nn.Module, param_placements: dict[str, Placements], 
         new = nn.Parameter(dt, requires_grad=param.requires_grad)
         for mod, name in _owners(model, param):
             setattr(mod, name, new)
+        mark_replaced(param, fqn)
 
 
 def materialize_model(model: nn.Module, param_placements: dict[str, Placements], device_mesh,
