@@ -1,4 +1,4 @@
-"""Training details: dropout, gradient clipping and bf16 mixed precision, against one device.
+"""Training details: dropout, gradient clipping, bf16 mixed precision and eval mode, against one device.
 
 Dropout draws the single-device mask on every rank (kernels/random.py), so with the same seed
 before each forward the parallel model matches bit for bit. clip_grad_norm_ works on the DTensor
@@ -6,7 +6,8 @@ gradients unchanged. In bf16 the parallel model rounds differently (partial sums
 contraction are rounded to bf16 before the fp32 reduction; the single device rounds once), so
 it is compared with a tolerance derived from bf16's unit roundoff; the same plan in fp32 agrees
 to fp32 rounding. Reductions of bf16 values send fp32 (kernels/collectives.py: reduce_dtype),
-and the plan's traffic prediction counts exactly those bytes.
+and the plan's traffic prediction counts exactly those bytes. model.eval() (and a frozen BatchNorm
+inside a training model) runs a graph captured in that mode, planned with the parameters in place.
 """
 
 import pytest
@@ -82,3 +83,72 @@ def test_bf16_reductions_send_fp32_and_the_plan_counts_them_exactly(ranks2):
         sent[dtype] = by_kind
     for kind in ("all_reduce", "reduce_scatter"):
         assert sent[torch.bfloat16].get(kind) == sent[torch.float32].get(kind), sent
+
+
+class _DropoutBatchNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop = torch.nn.Linear(32, 256), torch.nn.Dropout(0.3)
+        self.bn, self.fc2 = torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.drop(self.fc1(x)))))
+
+
+def _train_eval_and_frozen_batchnorm(plan: str) -> dict:
+    """A training step, an evaluation (no dropout, BatchNorm's running statistics), then fine-tuning
+    with BatchNorm frozen (model.train(); model.bn.eval()), each beside one device."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = _DropoutBatchNorm().double()
+    x = torch.randn(16, 32, dtype=torch.float64)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
+                                    plan=Plan.from_json(plan))
+    diffs = {}
+
+    def step(name: str, seed: int, backward: bool) -> None:
+        outs = []
+        for m in (pmodel, ref):
+            torch.manual_seed(seed)
+            y = m(x)
+            if backward:
+                y.square().sum().backward()
+            outs.append(y.detach())
+        diffs[name] = (outs[0] - outs[1]).abs().max().item()
+        diffs[name + " running_mean"] = (pmodel.bn.running_mean - ref.bn.running_mean).abs().max().item()
+        if backward:
+            diffs[name + " grad"] = max((p.grad.full_tensor() - q.grad).abs().max().item()
+                                        for p, q in zip(pmodel.parameters(), ref.parameters()))
+            for m in (pmodel, ref):
+                m.zero_grad()
+
+    step("train", 1, backward=True)
+    for m in (pmodel, ref):
+        m.eval()
+    with torch.no_grad():
+        step("eval", 2, backward=False)
+    for m in (pmodel, ref):
+        m.train()
+        m.bn.eval()
+    step("frozen batchnorm", 3, backward=True)
+    for m in (pmodel, ref):
+        m.train()
+    step("train again", 4, backward=True)
+    diffs["programs"] = len(pmodel._programs)
+    return diffs
+
+
+def test_eval_mode_and_frozen_batchnorm_match_single_device(ranks2):
+    # the graph captured in training mode ran for model.eval() too: dropout stayed on, BatchNorm used
+    # the batch's statistics and updated its running ones (eval output off by 2.2, frozen-BN grads by 52)
+    model = _DropoutBatchNorm().double()
+    x = torch.randn(16, 32, dtype=torch.float64)
+    whole = autojigsaw.plan(model, (x,), {"tensor": 1}, device="cpu").memory_per_rank
+    plan = autojigsaw.plan(model, (x,), {"tensor": 2}, device="cpu", memory_budget=int(0.7 * whole))
+    assert plan.param_placements["bn.weight"] != (torch.distributed.tensor.Replicate(),), plan
+    for r in ranks2.run(_train_eval_and_frozen_batchnorm, plan.to_json()):
+        programs = r.pop("programs")
+        for key, value in r.items():
+            assert value <= 1e-10, (key, value)
+        assert programs == 3  # training, eval, mixed: each mode captured once

@@ -92,17 +92,18 @@ class ParallelModule(nn.Module):
         the range of a dynamic program (parallelize(dynamic=True)) gets that program's plan.
         """
         key = self._key(args, kwargs)
-        serving = next((p for p in self._programs.values() if p.symbolic and p.symbolic.shapes.admits(args, kwargs)),
-                       None)
+        serving = next((p for k, p in self._programs.items()
+                        if k[0] == key[0] and p.symbolic and p.symbolic.shapes.admits(args, kwargs)), None)
         if not self._programs:
             program = self._make(self._model, args, kwargs)
         elif serving is not None:
-            log.info("autojigsaw: input shapes %s run with the plan of %s (dynamic=True)", key[1],
+            log.info("autojigsaw: input shapes %s run with the plan of %s (dynamic=True)", key[1][-1],
                      serving.symbolic.shapes)
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements,
                                  reuse=serving)
         else:
-            log.info("autojigsaw: planning again for input shapes %s (parameters stay as placed)", key[1])
+            log.info("autojigsaw: planning again for input shapes %s in %s (parameters stay as placed)",
+                     key[1][-1], _describe_modes(key[0]))
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements)
         if dist.get_rank() == 0:
             log.info(program.plan.summary_line())
@@ -120,9 +121,18 @@ class ParallelModule(nn.Module):
     # ------------------------------------------------------------ running
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
-        """The program cache key: input shapes, or one program when the caller passes local shards
-        (their global shape is the plan's, and other shapes are refused with a clear error)."""
-        return ("local shards",) if self._local_inputs_given else _shape_key(args, kwargs)
+        """The program cache key: every module's train/eval mode (export bakes dropout and BatchNorm's
+        batch statistics into the graph), and the input shapes, or one program per mode when the
+        caller passes local shards (their global shape is the plan's; others are refused clearly)."""
+        modes = tuple(m.training for m in self._model.modules())
+        return modes, (("local shards",) if self._local_inputs_given else _shape_key(args, kwargs))
+
+    def train(self, mode: bool = True) -> ParallelModule:
+        """Set the mode of the model's root too (only its children are this module's): the next call
+        runs the program captured in that mode, planned on first use with the parameters in place."""
+        super().train(mode)
+        self._model.train(mode)
+        return self
 
     def forward(self, *args, **kwargs):
         key = self._key(args, kwargs)
@@ -232,6 +242,10 @@ def _failing_node(error: BaseException, gm: GraphModule) -> str:
             if node is not None:
                 return f"{name} for {node.meta.get(ORIGIN, name)}"
     return "?"
+
+
+def _describe_modes(modes: tuple[bool, ...]) -> str:
+    return "training mode" if all(modes) else "eval mode" if not any(modes) else "mixed train/eval modules"
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:
