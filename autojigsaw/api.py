@@ -41,6 +41,7 @@ from .runtime.checks import check_agreement, check_group, check_plan, default_bu
 from .runtime.fsdp import shard_over_data_axis
 from .runtime.materialize import materialize_model
 from .runtime.module import ParallelModule, Program
+from .runtime.same_values import check_same_values, values_to_agree
 from .strategies.annotate import annotate
 from .strategies.data_pins import data_pins
 from .training import Precision, Regime, data_axes
@@ -247,6 +248,8 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     check_agreement(facts)
     if failed is not None:
         raise failed
+    check_same_values(values_to_agree(model, captured, args, kwargs, weights=pinned is None,
+                                      whole_inputs=options.input_placements is None))
     rank = RankView.of(device_mesh, mesh)
     if pinned is None:
         materialize_model(model, plan.param_placements, device_mesh, rank.coord)

@@ -39,7 +39,7 @@ def test_calibrate_measures_every_axis_and_every_rank_agrees(ranks2):
 def _step_times(plans: list[str], repeats: int) -> list[float]:
     """Median seconds of a training step per plan, the plans interleaved (the machine is shared)."""
     mesh = get_mesh((2,), ("tensor",))
-    x = torch.randn(SHAPE)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))  # the same on every rank
     runs = []
     for text in plans:
         model = autojigsaw.parallelize(build("stack", torch.float32, **SIZES), mesh, (x,), compile=False,

@@ -8,7 +8,7 @@ import autojigsaw
 
 from .models import MLP, build
 
-X = torch.randn(2, 5, 16)
+X = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))  # the same on every rank
 
 
 def _plan(**kw):
@@ -143,6 +143,46 @@ def test_optimizer_made_before_parallelize_is_refused(ranks2):
         assert "holds parameter 'fc1.weight' as it was before autojigsaw.parallelize" in error
         assert "create the optimizer after parallelize" in error
         assert moved
+
+
+class _Dropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.fc(x), 0.5)
+
+
+def _ranks_apart(case: str) -> str:
+    import torch.distributed as dist
+
+    from autojigsaw.testing.local_ranks import get_mesh
+
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank if case == "weights" else 0)  # as an unseeded script builds it
+    model = _Dropout() if case == "random state" else MLP()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(rank if case == "inputs" else 0))
+    if case == "random state":
+        torch.manual_seed(rank)
+    try:
+        pmodel = autojigsaw.parallelize(model, get_mesh((2,), ("tensor",)), (x,), compile=False)
+        pmodel(x)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,message", [
+    ("weights", "parameter 'fc1.weight' differs between rank 0 and ranks [1]: seed every rank alike"),
+    ("inputs", "input 'x' differs between rank 0 and ranks [1]: parallelize takes the whole inputs, the same"),
+    ("random state", "the random generators' state differs between rank 0 and ranks [1]: the model draws random"),
+    ("none", "no error"),
+])
+def test_ranks_that_hold_different_values_are_refused(ranks2, case, message):
+    # each rank took its shard of its own values, and replicated weights drifted apart: no error, no model
+    for error in ranks2.run(_ranks_apart, case):
+        assert error.startswith(message), error
 
 
 def test_plan_for_another_mesh_and_inputs_of_another_shape(ranks2):

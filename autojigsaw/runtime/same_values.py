@@ -1,0 +1,97 @@
+"""Every rank must start from the same weights, inputs and random state: checked once per program.
+
+The rewritten graph takes each rank's shard of the whole value every rank holds, and a value
+replicated over an axis is assumed equal on its ranks. A script that builds the model without
+seeding every process alike (or feeds each rank its own batch, or leaves the random generators
+apart under dropout) would train a model that is no model, with no error. One exchange of two
+float64 sums per tensor, when a program is built, turns that into a ValueError that names the
+first tensor that differs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from ..capture import Captured
+
+SEED = "seed every rank alike (torch.manual_seed(0)) before building the model, or load the same weights"
+SAME_INPUTS = ("parallelize takes the whole inputs, the same on every rank, and slices each rank's shard: give every "
+               "rank the same batch (a 'data' mesh axis splits it), or pass this rank's shards with input_placements=")
+SAME_STREAM = ("the model draws random numbers (dropout), and every rank draws the single-device mask: seed every rank "
+               "alike (torch.manual_seed(0)) before the first call")
+
+
+def check_same_values(entries: list[tuple[str, str, torch.Tensor]]) -> None:
+    """`entries`: (what, e.g. "parameter 'fc1.weight'", how to fix it, tensor), the same list on every
+    rank; a ValueError naming the first whose values differ between ranks."""
+    if not entries or dist.get_world_size() == 1:
+        return
+    mine = torch.stack([_fingerprint(t) for _, _, t in entries]).cpu().tolist()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for k, (what, fix, _) in enumerate(entries):
+        apart = [rank for rank, theirs in enumerate(gathered)
+                 if not all(_same(a, b) for a, b in zip(theirs[k], gathered[0][k]))]
+        if apart:
+            raise ValueError(f"{what} differs between rank 0 and ranks {apart}: {fix}")
+
+
+def _same(a: float, b: float) -> bool:
+    """Equal sums, to float64 rounding; two NaNs agree (a NaN in the tensor makes its sum NaN)."""
+    return math.isclose(a, b, rel_tol=1e-9) or (math.isnan(a) and math.isnan(b))
+
+
+def values_to_agree(model: torch.nn.Module, captured: Captured, args: tuple, kwargs: dict, *, weights: bool,
+                    whole_inputs: bool) -> list[tuple[str, str, torch.Tensor]]:
+    """What every rank must hold alike before a program runs: the weights (before they are sharded),
+    the whole inputs (not shards the caller passes), the random state where the graph draws from it."""
+    entries = []
+    if weights:
+        entries += [(f"parameter {fqn!r}", SEED, p) for fqn, p in model.named_parameters() if not p.is_meta]
+    if whole_inputs:
+        leaves = pytree.tree_leaves((args, kwargs))
+        entries += [(f"input {name!r}", SAME_INPUTS, x) for name, x in zip(captured.inputs, leaves)
+                    if isinstance(x, torch.Tensor) and not x.is_meta]
+    if draws_random(captured.gm):
+        entries.append(("the random generators' state", SAME_STREAM, random_state()))
+    return entries
+
+
+def random_state() -> torch.Tensor:
+    """The default generators' states (CPU, and the current GPU's where CUDA is up), as one tensor."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return torch.cat(states)
+
+
+def draws_random(gm: GraphModule) -> bool:
+    """Whether the graph has an op that draws from the default generator (dropout, rand, ...)."""
+    return any(_draws(n) for n in gm.graph.nodes)
+
+
+def _draws(node) -> bool:
+    """A seeded op that draws: not one whose dropout probability is 0 or that runs in eval (attention)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    arguments = node.target._schema.arguments
+    value = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+             for i, a in enumerate(arguments)}
+    return value.get("dropout_p", 1) != 0 and value.get("p", 1) != 0 and value.get("train", True) is not False
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of the distinct elements and of the first 1,024: no copy of a large tensor
+    (an expanded stand-in is read once, not at its logical size)."""
+    t = t.detach()
+    t = t[tuple(0 if stride == 0 else slice(None) for stride in t.stride())]
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if not t.is_floating_point():
+        t = t.double()
+    return torch.stack([t.sum(dtype=torch.float64), t.reshape(-1)[:1024].sum(dtype=torch.float64)])
