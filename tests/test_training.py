@@ -1,4 +1,5 @@
-"""Training details: dropout, gradient clipping, bf16 mixed precision and eval mode, against one device.
+"""Training details: dropout, gradient clipping, bf16 mixed precision, eval mode, gradient accumulation and
+parameters frozen after parallelize, against one device.
 
 Dropout draws the single-device mask on every rank (kernels/random.py), so with the same seed
 before each forward the parallel model matches bit for bit. clip_grad_norm_ works on the DTensor
@@ -152,3 +153,52 @@ def test_eval_mode_and_frozen_batchnorm_match_single_device(ranks2):
         for key, value in r.items():
             assert value <= 1e-10, (key, value)
         assert programs == 3  # training, eval, mixed: each mode captured once
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 256), torch.nn.Linear(256, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _accumulate_then_freeze(axis: str, options: dict) -> dict:
+    """Two micro-batches' gradients summed before one Adam step, then fc1 frozen after parallelize."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = _TwoLayers().double()
+    xs = [torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), (axis,)), (xs[0],), compile=False, **options)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pmodel, ref)]
+    diffs = {}
+    for m in (pmodel, ref):
+        for x in xs[:2]:
+            m(x).square().mean().backward()
+    diffs["accumulated grad"] = max((p.grad.full_tensor() - q.grad).abs().max().item()
+                                    for p, q in zip(pmodel.parameters(), ref.parameters()))
+    for o in opts:
+        o.step()
+        o.zero_grad()
+    for m in (pmodel, ref):
+        m.fc1.requires_grad_(False)
+        m(xs[2]).square().mean().backward()
+    diffs["frozen fc1 has a grad"] = float(pmodel.fc1.weight.grad is not None)
+    diffs["fc2 grad"] = max((p.grad.full_tensor() - q.grad).abs().max().item()
+                            for p, q in zip(pmodel.fc2.parameters(), ref.fc2.parameters()))
+    for o in opts:
+        o.step()
+    diffs["params"] = max((p.full_tensor() - q).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
+    diffs["fc1 sharded"] = float(pmodel.plan.param_placements["fc1.weight"] != (torch.distributed.tensor.Replicate(),))
+    return diffs
+
+
+@pytest.mark.parametrize("axis,options", [("tensor", {"memory_budget": 600_000}), ("data", {"data_parallel": "fsdp"})])
+def test_gradient_accumulation_and_freezing_after_parallelize(ranks2, axis, options):
+    for r in ranks2.run(_accumulate_then_freeze, axis, options):
+        assert r.pop("fc1 sharded") == (axis == "tensor"), r
+        assert r.pop("frozen fc1 has a grad") == 0.0, r
+        for key, value in r.items():
+            assert value <= 1e-10, (key, value)
