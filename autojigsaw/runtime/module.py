@@ -245,6 +245,7 @@ def _failing_node(error: BaseException, gm: GraphModule) -> str:
 
 
 def _describe_modes(modes: tuple[bool, ...]) -> str:
+    """The modes of a program key, for the log."""
     return "training mode" if all(modes) else "eval mode" if not any(modes) else "mixed train/eval modules"
 
 

@@ -27,6 +27,7 @@ def mark_replaced(param: torch.Tensor, fqn: str) -> None:
 
 
 def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before any optimizer's step: a ValueError if it holds a parameter parallelize replaced."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             entry = _replaced.get(id(p))
