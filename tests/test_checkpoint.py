@@ -4,7 +4,8 @@ The state dict of a parallel model holds DTensors, so DCP saves each rank's shar
 on load. A checkpoint written on a tensor=2 mesh after one Adam step, with the optimizer state,
 must load bit-exactly on a 2 x 2 mesh (into a meta-built model, which never holds the whole
 model) and into the single-device model, and training must resume as if never interrupted. A
-checkpoint of the single-device model must load shard by shard into a parallel one.
+checkpoint of the single-device model must load shard by shard into a parallel one, with DCP and
+with plain load_state_dict(torch.load(...)).
 """
 
 import numpy as np
@@ -100,3 +101,29 @@ def test_single_device_checkpoint_loads_shard_by_shard(ranks2, tmp_path):
     dcp.save({"model": ref.state_dict()}, checkpoint_id=path)
     for r in ranks2.run(_load, path, (2,), ("domain",), plan_json(NAME, {"domain": 2}), False):
         _assert_equal(r["loaded"], {n: p.detach().numpy() for n, p in ref.named_parameters()})
+
+
+def _load_single_device_file(path: str, plan: str, mesh_shape: tuple, axes: tuple) -> float:
+    """Largest difference from the file's model after pmodel.load_state_dict(torch.load(file))."""
+    model, inputs = build(NAME)  # the file holds other weights
+    pmodel = autojigsaw.parallelize(model, get_mesh(mesh_shape, axes), inputs, plan=Plan.from_json(plan),
+                                    compile=False)
+    saved = torch.load(path, weights_only=False)
+    pmodel.load_state_dict(saved)
+    ref, _ = build(NAME)
+    ref.load_state_dict(saved)
+    params = max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters()))
+    return max(params, max_diff(loss_of(pmodel(*inputs)), loss_of(ref(*inputs))))
+
+
+def test_single_device_state_dict_loads_with_load_state_dict(ranks2, tmp_path):
+    # the whole tensors met the DTensor parameters in copy_: "got mixed torch.Tensor and DTensor"
+    ref, _ = build(NAME)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.5).add_(0.01)
+    torch.save(ref.state_dict(), tmp_path / "single.pt")
+    for mesh in ({"tensor": 2}, {"data": 2}):
+        for diff in ranks2.run(_load_single_device_file, str(tmp_path / "single.pt"), plan_json(NAME, mesh),
+                               tuple(mesh.values()), tuple(mesh)):
+            assert diff <= 1e-12, (mesh, diff)

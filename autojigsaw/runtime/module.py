@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
@@ -75,6 +75,7 @@ class ParallelModule(nn.Module):
         for name, b in model.named_buffers(recurse=False):
             self.register_buffer(name, b)
         object.__setattr__(self, "_model", model)
+        self.register_load_state_dict_pre_hook(_whole_values_as_shards)
         self.device_mesh = device_mesh
         self.mesh = MeshSpec.of(device_mesh)
         self.plan = plan
@@ -242,6 +243,20 @@ def _failing_node(error: BaseException, gm: GraphModule) -> str:
             if node is not None:
                 return f"{name} for {node.meta.get(ORIGIN, name)}"
     return "?"
+
+
+def _whole_values_as_shards(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict of a single-device state dict (whole tensors, torch.load's): each rank keeps
+    its shard of every value whose parameter is a DTensor, as distribute_tensor slices it, without
+    communication (every rank read the same file); DTensor values (torch.distributed.checkpoint's)
+    pass as they are."""
+    for name, p in module.named_parameters(remove_duplicate=False):  # tied weights: every name
+        value = state_dict.get(prefix + name)
+        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if tuple(value.shape) != tuple(p.shape):
+                continue  # load_state_dict reports the size mismatch itself
+            state_dict[prefix + name] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements,
+                                                          src_data_rank=None)
 
 
 def _describe_modes(modes: tuple[bool, ...]) -> str:
