@@ -86,8 +86,8 @@ def _draws(node) -> bool:
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """The float64 sum of the distinct elements and of the first 1,024: no copy of a large tensor
-    (an expanded stand-in is read once, not at its logical size)."""
+    """The float64 sum of the distinct elements and of the first 1,024 (an expanded stand-in is read
+    once, not at its logical size; a non-contiguous tensor is copied once to find its first ones)."""
     t = t.detach()
     t = t[tuple(0 if stride == 0 else slice(None) for stride in t.stride())]
     if t.is_complex():
