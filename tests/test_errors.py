@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
+from autojigsaw.testing.local_ranks import get_mesh
 
 from .models import MLP, build
 
@@ -83,8 +86,6 @@ def test_parallelize_without_process_group():
 
 
 def _wrong_world_size():
-    from torch.distributed.device_mesh import DeviceMesh
-
     half = DeviceMesh("cpu", [0, 1], mesh_dim_names=("tensor",), _init_backend=False)
     try:
         autojigsaw.parallelize(MLP(), half, (X,), compile=False)
@@ -98,8 +99,6 @@ def test_mesh_smaller_than_world(ranks4):
 
 
 def _plan_for_other_mesh_and_wrong_inputs():
-    from autojigsaw.testing.local_ranks import get_mesh
-
     mesh = get_mesh((2,), ("tensor",))
     other = autojigsaw.plan(MLP(), (X,), {"tensor": 4}, device="cpu")
     errors = []
@@ -118,8 +117,6 @@ def _plan_for_other_mesh_and_wrong_inputs():
 
 
 def _optimizer_made_before_and_after_parallelize():
-    from autojigsaw.testing.local_ranks import get_mesh
-
     mesh = get_mesh((2,), ("tensor",))
     model = build("mlp", torch.float32)
     early = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -155,10 +152,6 @@ class _Dropout(torch.nn.Module):
 
 
 def _ranks_apart(case: str) -> str:
-    import torch.distributed as dist
-
-    from autojigsaw.testing.local_ranks import get_mesh
-
     rank = dist.get_rank()
     torch.manual_seed(100 + rank if case == "weights" else 0)  # as an unseeded script builds it
     model = _Dropout() if case == "random state" else MLP()

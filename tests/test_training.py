@@ -11,6 +11,8 @@ and the plan's traffic prediction counts exactly those bytes. model.eval() (and 
 inside a training model) runs a graph captured in that mode, planned with the parameters in place.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -99,8 +101,6 @@ class _DropoutBatchNorm(torch.nn.Module):
 def _train_eval_and_frozen_batchnorm(plan: str) -> dict:
     """A training step, an evaluation (no dropout, BatchNorm's running statistics), then fine-tuning
     with BatchNorm frozen (model.train(); model.bn.eval()), each beside one device."""
-    import copy
-
     torch.manual_seed(0)
     ref = _DropoutBatchNorm().double()
     x = torch.randn(16, 32, dtype=torch.float64)
@@ -166,8 +166,6 @@ class _TwoLayers(torch.nn.Module):
 
 def _accumulate_then_freeze(axis: str, options: dict) -> dict:
     """Two micro-batches' gradients summed before one Adam step, then fc1 frozen after parallelize."""
-    import copy
-
     torch.manual_seed(0)
     ref = _TwoLayers().double()
     xs = [torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
