@@ -56,3 +56,42 @@ def test_a_new_batch_or_sequence_length_is_planned_again_and_matches_one_device(
         for out_err, grad_err in r["errors"]:
             assert out_err <= 1e-6 and grad_err <= 64 * 2.0**-24, r  # Llama's RMSNorm and RoPE run in fp32
         assert r["step"] <= 1e-6, r
+
+
+class _Scaled(torch.nn.Module):
+    """Arguments that are no tensors, as models take them (a temperature, a flag): export bakes them in."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x, scale: float = 1.0, twice: bool = False):
+        y = self.fc1(x) * scale
+        return self.fc2(torch.relu(y) if twice else y)
+
+
+def _values_run(dynamic: bool) -> list[float]:
+    torch.manual_seed(0)
+    ref = _Scaled().double()
+    x = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
+                                    example_kwargs={"scale": 2.0, "twice": False}, dynamic=dynamic)
+    errors = []
+    for kwargs in ({"scale": 2.0, "twice": False}, {"scale": 3.0, "twice": False}, {"scale": 3.0, "twice": True},
+                   {"scale": 2.0, "twice": False}):
+        out, ref_out = pmodel(x, **kwargs), ref(x, **kwargs)
+        out.square().sum().backward()
+        ref_out.square().sum().backward()
+        grad = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
+        errors.append(max((out - ref_out).abs().max().item(), grad))
+        pmodel.zero_grad(), ref.zero_grad()
+    return errors + [len(pmodel._programs)]
+
+
+def test_a_new_value_of_a_float_or_bool_argument_gets_its_own_program(ranks2):
+    # the program cache was keyed by tensor shapes alone: scale=3.0 ran the graph export had baked 2.0 into
+    for dynamic in (False, True):
+        for r in ranks2.run(_values_run, dynamic):
+            *errors, programs = r
+            assert max(errors) <= 1e-12, (dynamic, errors)
+            assert programs == 3, (dynamic, r)

@@ -34,12 +34,15 @@ class ShapeRange:
     structure: str  # the call's pytree structure, as a string
     dims: tuple[tuple[int | SymbolicSize, ...] | None, ...]  # per flat input; None: not a tensor
     dtypes: tuple[torch.dtype | None, ...]
+    constants: tuple = ()  # per flat input that is no tensor, value_key(it): export baked it into the graph
 
     def admits(self, args: tuple, kwargs: dict) -> bool:
         """Whether inputs like these fit: same structure and dtypes, fixed sizes equal, each symbol
         one size everywhere and within its range."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if str(spec) != self.structure or len(flat) != len(self.dims):
+            return False
+        if tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor)) != self.constants:
             return False
         seen: dict[str, int] = {}
         for x, dims, dtype in zip(flat, self.dims, self.dtypes):
@@ -71,7 +74,20 @@ def shape_range(input_values: list, args: tuple, kwargs: dict, ranges) -> ShapeR
     flat, spec = pytree.tree_flatten((tuple(args), kwargs))
     dims = tuple(tuple(_size(n, ranges) for n in val.shape) if isinstance(val, torch.Tensor) else None
                  for val in input_values)
-    return ShapeRange(str(spec), dims, tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in flat))
+    return ShapeRange(str(spec), dims, tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in flat),
+                      tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor)))
+
+
+def value_key(x) -> tuple:
+    """A tensor input's shape and dtype, or any other input's type and value: torch.export bakes a
+    float, bool or string argument into the graph, so each value needs a graph of its own."""
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), x.dtype
+    try:
+        hash(x)
+    except TypeError:
+        return type(x).__name__, repr(x)
+    return type(x).__name__, x
 
 
 def every_dim_auto(x):

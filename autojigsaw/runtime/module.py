@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from ..capture import Captured
+from ..capture import Captured, value_key
 from ..ir import ORIGIN, GradKind
 from ..kernels.collectives import CollectiveError, shard_slice
 from ..mesh import MeshSpec, RankView
@@ -123,10 +123,14 @@ class ParallelModule(nn.Module):
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         """The program cache key: every module's train/eval mode (export bakes dropout and BatchNorm's
-        batch statistics into the graph), and the input shapes, or one program per mode when the
-        caller passes local shards (their global shape is the plan's; others are refused clearly)."""
+        batch statistics into the graph), the input shapes (not when the caller passes local shards:
+        their global shape is the plan's, others are refused clearly), and the values of the inputs
+        that are no tensors (export bakes those in too)."""
         modes = tuple(m.training for m in self._model.modules())
-        return modes, (("local shards",) if self._local_inputs_given else _shape_key(args, kwargs))
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if self._local_inputs_given:
+            return modes, ("local shards", tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor)))
+        return modes, (str(spec), tuple(value_key(x) for x in flat))
 
     def train(self, mode: bool = True) -> ParallelModule:
         """Set the mode of the model's root too (only its children are this module's): the next call
@@ -262,12 +266,6 @@ def _whole_values_as_shards(module: nn.Module, state_dict: dict, prefix: str, *a
 def _describe_modes(modes: tuple[bool, ...]) -> str:
     """The modes of a program key, for the log."""
     return "training mode" if all(modes) else "eval mode" if not any(modes) else "mixed train/eval modules"
-
-
-def _shape_key(args: tuple, kwargs: dict) -> tuple:
-    """The shapes and dtypes of the tensor inputs (and the structure of the call): one plan each."""
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    return (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in flat))
 
 
 def _slice(x: torch.Tensor, placements, rank: RankView) -> torch.Tensor:
