@@ -95,3 +95,53 @@ def test_a_new_value_of_a_float_or_bool_argument_gets_its_own_program(ranks2):
             *errors, programs = r
             assert max(errors) <= 1e-12, (dynamic, errors)
             assert programs == 3, (dynamic, r)
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.Linear(32, 16)
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x)))) / self.temperature
+
+
+def _halve(module, inputs, output):
+    return output * 0.5
+
+
+def _attributes_run() -> dict:
+    torch.manual_seed(0)
+    ref = _Tempered().double()
+    x = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False)
+    opt, ref_opt = torch.optim.Adam(pmodel.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    changes = {
+        "as built": lambda m: None,
+        "dropout's p": lambda m: setattr(m.drop, "p", 0.0),
+        "the root's temperature, set through the wrapper": lambda m: setattr(m, "temperature", 2.0),
+        "a forward hook": lambda m: m.fc1.register_forward_hook(_halve),
+    }
+    errors = {}
+    for what, change in changes.items():
+        change(pmodel), change(ref)
+        torch.manual_seed(5)
+        out = pmodel(x)
+        torch.manual_seed(5)
+        ref_out = ref(x)
+        out.square().sum().backward()
+        ref_out.square().sum().backward()
+        grad = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        errors[what] = max((out - ref_out).abs().max().item(), grad)
+    step = max((p.full_tensor() - q).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
+    return {"errors": errors, "step": step, "temperature": pmodel.temperature, "programs": len(pmodel._programs)}
+
+
+def test_attributes_and_hooks_changed_after_parallelize_take_effect(ranks2):
+    # export bakes dropout's p, a plain attribute and hooks into the graph: the cached program kept the old ones
+    for r in ranks2.run(_attributes_run):
+        assert max(r["errors"].values()) <= 1e-12 and r["step"] <= 1e-12, r
+        assert r["temperature"] == 2.0 and r["programs"] == 4, r

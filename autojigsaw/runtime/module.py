@@ -34,6 +34,7 @@ from ..placements import chunk_sizes, local_shape
 from ..plan import Plan
 from ..training import Precision
 from .materialize import local_view
+from .module_state import PLAIN, changed_state, describe_modes, module_state
 
 log = logging.getLogger("autojigsaw")
 
@@ -83,6 +84,7 @@ class ParallelModule(nn.Module):
         self._local_inputs_given = local_inputs
         self._local_outputs = local_outputs
         self._program = None
+        self._state: tuple | None = None  # the modules' state the last program was built for
         self._programs: dict[tuple, Program] = {}  # one per input shape, as torch.compile caches graphs
 
     def build(self, args: tuple, kwargs: dict) -> None:
@@ -103,12 +105,16 @@ class ParallelModule(nn.Module):
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements,
                                  reuse=serving)
         else:
-            log.info("autojigsaw: planning again for input shapes %s in %s (parameters stay as placed)",
-                     key[1][-1], _describe_modes(key[0]))
+            log.info("autojigsaw: planning again for input shapes %s in %s%s (parameters stay as placed)",
+                     key[1][-1], describe_modes(key[0]), changed_state(self._model, self._state, key[0]))
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements)
         if dist.get_rank() == 0:
             log.info(program.plan.summary_line())
         self._programs[key] = program
+        # the model's own code may set attributes while export runs it (a rotary cache's length): the next
+        # call, from that state, needs no program of its own
+        self._state = module_state(self._model)
+        self._programs[(self._state, key[1])] = program
         self._use(program)
         self._parameters.update(self._model._parameters)  # the model's own, now sharded
         self._buffers.update(self._model._buffers)
@@ -122,15 +128,35 @@ class ParallelModule(nn.Module):
     # ------------------------------------------------------------ running
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
-        """The program cache key: every module's train/eval mode (export bakes dropout and BatchNorm's
-        batch statistics into the graph), the input shapes (not when the caller passes local shards:
-        their global shape is the plan's, others are refused clearly), and the values of the inputs
-        that are no tensors (export bakes those in too)."""
-        modes = tuple(m.training for m in self._model.modules())
+        """The program cache key: what export bakes into the graph. The modules' state (train/eval
+        mode, plain attributes such as dropout's p, hooks), the input shapes (not when the caller
+        passes local shards: their global shape is the plan's, others are refused clearly), and the
+        values of the inputs that are no tensors."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._local_inputs_given:
-            return modes, ("local shards", tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor)))
-        return modes, (str(spec), tuple(value_key(x) for x in flat))
+            call = ("local shards", tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor)))
+        else:
+            call = (str(spec), tuple(value_key(x) for x in flat))
+        return module_state(self._model), call
+
+    def __getattr__(self, name: str):
+        """The model's own attributes read through (`pmodel.config`, `pmodel.temperature`), not its methods."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_model")
+            if model is None or name not in model.__dict__:
+                raise
+            return model.__dict__[name]
+
+    def __setattr__(self, name: str, value) -> None:
+        """A plain attribute of the model (`pmodel.temperature = 2.0`) is set on the model, which the
+        next call captures again with it; it would otherwise change this wrapper only, silently."""
+        model = self.__dict__.get("_model")
+        if model is not None and name in model.__dict__ and name not in self.__dict__ and type(value) in PLAIN:
+            setattr(model, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def train(self, mode: bool = True) -> ParallelModule:
         """Set the mode of the model's root too (only its children are this module's): the next call
@@ -261,11 +287,6 @@ def _whole_values_as_shards(module: nn.Module, state_dict: dict, prefix: str, *a
                 continue  # load_state_dict reports the size mismatch itself
             state_dict[prefix + name] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements,
                                                           src_data_rank=None)
-
-
-def _describe_modes(modes: tuple[bool, ...]) -> str:
-    """The modes of a program key, for the log."""
-    return "training mode" if all(modes) else "eval mode" if not any(modes) else "mixed train/eval modules"
 
 
 def _slice(x: torch.Tensor, placements, rank: RankView) -> torch.Tensor:

@@ -36,4 +36,5 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     f"the optimizer holds parameter {entry[1]!r} as it was before autojigsaw.parallelize "
                     "replaced it by its DTensor shards, so its step would change nothing the model uses: "
                     "create the optimizer after parallelize, from the module it returns "
-                    "(torch.optim.AdamW(pmodel.parameters()))")
+                    "(torch.optim.AdamW(pmodel.parameters())); without example_inputs, parallelize replaces "
+                    "them at the first call: call pmodel once before, or pass example_inputs")
