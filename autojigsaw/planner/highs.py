@@ -85,6 +85,8 @@ def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: floa
     prunes every node whose bound reaches it, and x is None when none is below."""
     # HiGHS presolve restarts cost more than they save here; the planner's column windows do the useful part
     options = {"presolve": "off", "mip_rel_gap": 1e-7}
+    if start is not None and len(start) and stop is None:
+        options.update(_PROVING)
     if np.isfinite(cutoff):
         options["objective_bound"] = float(cutoff)
     h = _highs(cost, matrix, lo, hi, upper, integer, time_limit, options)
@@ -100,6 +102,13 @@ def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: floa
     if found.objective >= cutoff:  # HiGHS keeps a solution its heuristics found above the cutoff
         return Result(None, float("inf"), found.timed_out, 0.0)
     return found
+
+
+# A proof from a plan in hand: HiGHS' primal heuristics (RINS, RENS, feasibility jump, root reduced cost
+# run even at heuristic effort 0) look for plans its branching finds anyway. On the mixer's edge plans
+# they took a third of each proof (31.6 -> 20.5 s, 107 -> 66 s, 8.9 -> 3.3 s without them).
+_PROVING = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
+            "mip_heuristic_run_feasibility_jump": False, "mip_heuristic_run_root_reduced_cost": False}
 
 
 def _stop_at(h: highspy.Highs, n: int, stop: Callable[[np.ndarray, float], bool], accepted: list) -> None:
