@@ -153,7 +153,7 @@ class ParallelModule(nn.Module):
         """A plain attribute of the model (`pmodel.temperature = 2.0`) is set on the model, which the
         next call captures again with it; it would otherwise change this wrapper only, silently."""
         model = self.__dict__.get("_model")
-        if model is not None and name in model.__dict__ and name not in self.__dict__ and type(value) in PLAIN:
+        if model is not None and name in model.__dict__ and name not in self.__dict__ and isinstance(value, PLAIN):
             setattr(model, name, value)
         else:
             super().__setattr__(name, value)

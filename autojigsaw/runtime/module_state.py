@@ -17,7 +17,7 @@ _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backw
 def module_state(model: nn.Module) -> tuple:
     """Per module: its public plain attributes (`training` among them) and the keys of its hooks.
     Private ones are left out: FSDP and Hugging Face keep their flags there (`_is_fsdp_managed_module`)."""
-    return tuple((tuple((k, v) for k, v in m.__dict__.items() if type(v) in PLAIN and k[0] != "_"),
+    return tuple((tuple((k, v) for k, v in m.__dict__.items() if isinstance(v, PLAIN) and k[0] != "_"),
                   tuple(tuple(getattr(m, h)) for h in _HOOKS)) for m in model.modules())
 
 
