@@ -200,3 +200,31 @@ def test_gradient_accumulation_and_freezing_after_parallelize(ranks2, axis, opti
         assert r.pop("frozen fc1 has a grad") == 0.0, r
         for key, value in r.items():
             assert value <= 1e-10, (key, value)
+
+
+def _built_under_inference_mode(axis: str, options: dict, lazy: bool) -> dict:
+    """A check under torch.inference_mode first (parallelize, or the first call of a lazily planned
+    module), then two training steps."""
+    torch.manual_seed(0)
+    ref = _TwoLayers().double()
+    x = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model = copy.deepcopy(ref)  # outside: a copy made in inference mode could not train on one device either
+    with torch.inference_mode():
+        pmodel = autojigsaw.parallelize(model, get_mesh((2,), (axis,)), None if lazy else (x,), compile=False, **options)
+        checked = (pmodel(x) - ref(x)).abs().max().item()
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pmodel, ref)]
+    for _ in range(2):
+        for m, o in zip((pmodel, ref), opts):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    return {"check": checked,
+            "params": max((p.full_tensor() - q).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))}
+
+
+@pytest.mark.parametrize("axis,options,lazy", [("tensor", {"memory_budget": 600_000}, True),
+                                               ("data", {"data_parallel": "fsdp"}, False)])
+def test_a_first_call_under_inference_mode_still_trains(ranks2, axis, options, lazy):
+    # the shards were made in inference mode: "Inference tensors cannot be saved for backward" at the first step
+    for r in ranks2.run(_built_under_inference_mode, axis, options, lazy):
+        assert r["check"] <= 1e-12 and r["params"] <= 1e-12, r

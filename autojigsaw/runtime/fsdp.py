@@ -21,7 +21,14 @@ def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, m
     if not regime.fsdp or not axes or device_mesh.mesh.shape[axes[0]] == 1:
         return
     kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    fully_shard(module, mesh=device_mesh, dp_mesh_dims=DataParallelMeshDims(shard=device_mesh.mesh_dim_names[axes[0]]),
-                reshard_after_forward=True, **kwargs)
+    with torch.inference_mode(False):  # shards made under inference_mode could never train
+        fully_shard(module, mesh=device_mesh,
+                    dp_mesh_dims=DataParallelMeshDims(shard=device_mesh.mesh_dim_names[axes[0]]),
+                    reshard_after_forward=True, **kwargs)
+        # FSDP2 makes its gathered weights' buffers at the first gather: in a first forward under
+        # inference_mode (a check before training) they would be inference tensors, and every later
+        # step fails. One gather now (as much memory as a forward's) makes them normal ones.
+        module.unshard()
+        module.reshard()
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)

@@ -94,6 +94,12 @@ class ParallelModule(nn.Module):
         where they are (the optimizer's DTensors stay valid) and keeps both programs; a shape in
         the range of a dynamic program (parallelize(dynamic=True)) gets that program's plan.
         """
+        # a first call under torch.inference_mode (a check before training) would make every shard an
+        # inference tensor, which no later backward can save; the program built runs in any mode
+        with torch.inference_mode(False):
+            self._build(args, kwargs)
+
+    def _build(self, args: tuple, kwargs: dict) -> None:
         key = self._key(args, kwargs)
         serving = next((p for k, p in self._programs.items()
                         if k[0] == key[0] and p.symbolic and p.symbolic.shapes.admits(args, kwargs)), None)
