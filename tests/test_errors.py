@@ -158,11 +158,22 @@ def _ranks_apart(case: str) -> str:
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(rank if case == "inputs" else 0))
     if case == "random state":
         torch.manual_seed(rank)
+    if case == "shuffled inputs" and rank == 1:
+        x = x.flip(0)  # the same samples in another order: every plain sum agrees
+    later = {"random state later": _Dropout(), "inputs later": MLP()}
     try:
-        pmodel = autojigsaw.parallelize(model, get_mesh((2,), ("tensor",)), (x,), compile=False)
-        pmodel(x)
+        if case not in later:
+            pmodel = autojigsaw.parallelize(model, get_mesh((2,), ("tensor",)), (x,), compile=False)
+            pmodel(x)
+            return "no error"
+        pmodel = autojigsaw.parallelize(later[case], get_mesh((2,), ("tensor",)), (x,), compile=False)
+        calls = 0
+        for calls in range(1, 5):
+            if calls == 2 and rank == 0:  # rank 0 alone samples for a log, or gets its own batch
+                torch.rand(1) if case == "random state later" else x.add_(1)
+            pmodel(x).sum().backward()
     except ValueError as e:
-        return str(e)
+        return f"at call {calls}: {e}" if case in later else str(e)
     return "no error"
 
 
@@ -171,6 +182,9 @@ def _ranks_apart(case: str) -> str:
     ("inputs", "input 'x' differs between rank 0 and ranks [1]: parallelize takes the whole inputs, the same"),
     ("random state", "the random generators' state differs between rank 0 and ranks [1]: the model draws random"),
     ("none", "no error"),
+    ("shuffled inputs", "input 'x' differs between rank 0 and ranks [1]"),
+    ("random state later", "at call 2: the random generators' state differs between rank 0 and ranks [1]"),
+    ("inputs later", "at call 2: input 'x' differs between rank 0 and ranks [1]"),
 ])
 def test_ranks_that_hold_different_values_are_refused(ranks2, case, message):
     # each rank took its shard of its own values, and replicated weights drifted apart: no error, no model

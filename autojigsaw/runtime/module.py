@@ -35,6 +35,7 @@ from ..plan import Plan
 from ..training import Precision
 from .materialize import local_view
 from .module_state import PLAIN, changed_state, describe_modes, module_state
+from .same_values import check_same_values, checks_again, values_to_agree
 
 log = logging.getLogger("autojigsaw")
 
@@ -85,6 +86,7 @@ class ParallelModule(nn.Module):
         self._local_outputs = local_outputs
         self._program = None
         self._state: tuple | None = None  # the modules' state the last program was built for
+        self._calls = 0  # forward calls, for the checks that ranks still hold the same inputs and random state
         self._programs: dict[tuple, Program] = {}  # one per input shape, as torch.compile caches graphs
 
     def build(self, args: tuple, kwargs: dict) -> None:
@@ -177,6 +179,10 @@ class ParallelModule(nn.Module):
             self.build(args, kwargs)
         elif self._programs[key].run is not self._program:
             self._use(self._programs[key])
+        self._calls += 1
+        if checks_again(self._calls):
+            check_same_values(values_to_agree(self._model, self._captured, args, kwargs, weights=False,
+                                              whole_inputs=not self._local_inputs_given))
         captured, plan, rank = self._captured, self.plan, self._rank
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:

@@ -5,7 +5,7 @@ replicated over an axis is assumed equal on its ranks. A script that builds the 
 seeding every process alike (or feeds each rank its own batch, or leaves the random generators
 apart under dropout) would train a model that is no model, with no error. One exchange of two
 float64 sums per tensor, when a program is built, turns that into a ValueError that names the
-first tensor that differs.
+first tensor that differs. Later calls check the inputs and random state again, ever more rarely.
 """
 
 from __future__ import annotations
@@ -23,7 +23,17 @@ SEED = "seed every rank alike (torch.manual_seed(0)) before building the model, 
 SAME_INPUTS = ("parallelize takes the whole inputs, the same on every rank, and slices each rank's shard: give every "
                "rank the same batch (a 'data' mesh axis splits it), or pass this rank's shards with input_placements=")
 SAME_STREAM = ("the model draws random numbers (dropout), and every rank draws the single-device mask: seed every rank "
-               "alike (torch.manual_seed(0)) before the first call")
+               "alike (torch.manual_seed(0)) before the first call, and draw from the default generator alike on every "
+               "rank after it (code that runs on one rank only, such as sampling for a log, takes its own "
+               "torch.Generator)")
+
+
+def checks_again(call: int) -> bool:
+    """Whether the `call`-th call of a program checks again (the 1st is checked when it is built): the
+    2nd, 4th, 8th, ... and every 1,024th, so that ranks drifting apart later (a rank that alone draws
+    random numbers for a log, a sampler that splits the batch from the second epoch) are caught at
+    the cost of a few small exchanges."""
+    return call > 1 and (call & (call - 1) == 0 or call % 1024 == 0)
 
 
 def check_same_values(entries: list[tuple[str, str, torch.Tensor]]) -> None:
@@ -86,12 +96,21 @@ def _draws(node) -> bool:
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """The float64 sum of the distinct elements and of the first 1,024 (an expanded stand-in is read
-    once, not at its logical size; a non-contiguous tensor is copied once to find its first ones)."""
+    """Three float64 sums: of the distinct elements (an expanded stand-in is read once, not at its
+    logical size), of the first 1,024, and of all weighted by position. Plain sums miss moves: a
+    generator's state that advanced by one draw (one counter down, another up) and a batch whose
+    rows were shuffled sum alike; the weights (position mod 65,521, a prime, plus 1) tell them apart."""
     t = t.detach()
     t = t[tuple(0 if stride == 0 else slice(None) for stride in t.stride())]
     if t.is_complex():
         t = torch.view_as_real(t)
-    if not t.is_floating_point():
-        t = t.double()
-    return torch.stack([t.sum(dtype=torch.float64), t.reshape(-1)[:1024].sum(dtype=torch.float64)])
+    flat = t.reshape(-1)
+    weighted = torch.zeros((), dtype=torch.float64, device=t.device)
+    for start in range(0, flat.numel(), _CHUNK):  # in chunks: a float64 copy of a whole sample would not fit
+        chunk = flat[start:start + _CHUNK].double()
+        positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=t.device)
+        weighted += (chunk * (positions % 65521 + 1).double()).sum()
+    return torch.stack([flat.sum(dtype=torch.float64), flat[:1024].sum(dtype=torch.float64), weighted])
+
+
+_CHUNK = 1 << 20
