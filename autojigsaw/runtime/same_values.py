@@ -1,9 +1,9 @@
-"""Every rank must start from the same weights, inputs and random state: checked once per program.
+"""Every rank must hold the same weights, inputs and random state: checked per program, then now and then.
 
 The rewritten graph takes each rank's shard of the whole value every rank holds, and a value
 replicated over an axis is assumed equal on its ranks. A script that builds the model without
 seeding every process alike (or feeds each rank its own batch, or leaves the random generators
-apart under dropout) would train a model that is no model, with no error. One exchange of two
+apart under dropout) would train a model that is no model, with no error. One exchange of three
 float64 sums per tensor, when a program is built, turns that into a ValueError that names the
 first tensor that differs. Later calls check the inputs and random state again, ever more rarely.
 """
@@ -29,7 +29,7 @@ SAME_STREAM = ("the model draws random numbers (dropout), and every rank draws t
 
 
 def checks_again(call: int) -> bool:
-    """Whether the `call`-th call of a program checks again (the 1st is checked when it is built): the
+    """Whether the module's `call`-th call checks again (the 1st is checked when it is built): the
     2nd, 4th, 8th, ... and every 1,024th, so that ranks drifting apart later (a rank that alone draws
     random numbers for a log, a sampler that splits the batch from the second epoch) are caught at
     the cost of a few small exchanges."""
