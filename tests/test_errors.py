@@ -1,5 +1,7 @@
 """Bad input gets a ValueError that says what is wrong and how to fix it."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -196,3 +198,52 @@ def test_plan_for_another_mesh_and_inputs_of_another_shape(ranks2):
     for errors in ranks2.run(_plan_for_other_mesh_and_wrong_inputs):
         assert "made for mesh tensor=4 but the module runs on tensor=2" in errors[0]
         assert "input 'x' has shape (2, 6, 16) but the plan expects this rank's shard of shape" in errors[1]
+
+
+class _RoundThrough(torch.autograd.Function):
+    """A straight-through round, as quantization-aware training writes it: round forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Quantized(torch.nn.Module):
+    def __init__(self, rewritten: bool = False):
+        super().__init__()
+        self.fc1, self.fc2, self.rewritten = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), rewritten
+
+    def forward(self, x):
+        h = 4 * self.fc1(x)
+        h = h + (torch.round(h) - h).detach() if self.rewritten else _RoundThrough.apply(h)
+        return self.fc2(torch.relu(h / 4))
+
+
+def _straight_through() -> dict:
+    torch.manual_seed(0)
+    ref = _Quantized().double()
+    x = X.double()
+    try:
+        autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    rewritten = copy.deepcopy(ref)
+    rewritten.rewritten = True
+    pmodel = autojigsaw.parallelize(rewritten, get_mesh((2,), ("tensor",)), (x,), compile=False)
+    pmodel(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    grad = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
+    return {"refused": refused, "rewritten grad": grad, "fc1 grad": ref.fc1.weight.grad.abs().max().item()}
+
+
+def test_custom_autograd_function_is_refused_and_its_rewrite_trains(ranks2):
+    # export kept round() and dropped the identity backward: fc1's gradients were 0, with no error
+    for r in ranks2.run(_straight_through):
+        assert r["refused"].startswith("_Quantized applies the custom autograd.Function tests.test_errors._RoundThrough:"), r
+        assert "x + (torch.round(x) - x).detach()" in r["refused"]
+        assert r["rewritten grad"] <= 1e-12 and r["fc1 grad"] > 0.1, r  # the rewrite's gradient is the Function's

@@ -26,9 +26,10 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     """torch.export (non-strict) and decompositions; a ValueError naming the fix if export fails."""
     # On failure torch.export prints the partial graph to stderr: kept for logging.DEBUG instead.
     torch_stderr = io.StringIO()
+    applied: set[type] = set()
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
-              warnings.catch_warnings(), contextlib.redirect_stderr(torch_stderr)):
+              _functions_applied(applied), warnings.catch_warnings(), contextlib.redirect_stderr(torch_stderr)):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
@@ -37,7 +38,40 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
         log.debug("torch.export's output before it failed (the partial graph):\n%s", torch_stderr.getvalue())
         raise ValueError(_export_error(model, e)) from e
     sys.stderr.write(torch_stderr.getvalue())
+    _refuse_custom_backward(model, applied)
     return ep
+
+
+@contextlib.contextmanager
+def _functions_applied(applied: set[type]):
+    """Record each torch.autograd.Function the model applies while export runs it."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        applied.add(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def _refuse_custom_backward(model: nn.Module, applied: set[type]) -> None:
+    """Export keeps a custom autograd.Function's forward and drops its backward: the gradients would be
+    the forward ops' (a straight-through round's would be 0, a gradient reversal's the wrong sign),
+    with no error. Refused by name, with the rewrite that keeps the gradient; torch's own pass."""
+    custom = sorted(f"{c.__module__}.{c.__qualname__}" for c in applied
+                    if not c.__module__.startswith(("torch.", "autojigsaw.")))
+    if custom:
+        raise ValueError(
+            f"{type(model).__name__} applies the custom autograd.Function {custom[0]}"
+            f"{f' (and {len(custom) - 1} more)' if len(custom) > 1 else ''}: torch.export keeps its forward and drops "
+            "its backward, so the parallel model's gradients would be those of the forward's ops, not its backward's. "
+            "Write it with ops whose gradient is the one you want (a straight-through round: "
+            "x + (torch.round(x) - x).detach(); a gradient times -a: (1 + a) * x.detach() - a * x), or, where its "
+            "backward is its forward's derivative (a fused GELU), call the forward's ops directly")
 
 
 _ONE_DTYPE_OPS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
