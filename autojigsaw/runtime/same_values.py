@@ -97,19 +97,19 @@ def _draws(node) -> bool:
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Three float64 sums: of the distinct elements (an expanded stand-in is read once, not at its
-    logical size), of the first 1,024, and of all weighted by position. Plain sums miss moves: a
-    generator's state that advanced by one draw (one counter down, another up) and a batch whose
-    rows were shuffled sum alike; the weights (position mod 65,521, a prime, plus 1) tell them apart."""
+    logical size), of the first 1,024, and one that weights each element by its position. Plain sums
+    miss moves: a generator's state advanced by one draw (one counter down, another up) and a batch
+    whose rows were shuffled sum alike. The weighted sum runs over chunks (each chunk's running sums,
+    times its index), so its scratch memory is a small fraction of the tensor, not a copy of it."""
     t = t.detach()
     t = t[tuple(0 if stride == 0 else slice(None) for stride in t.stride())]
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.reshape(-1)
+    size = min(_CHUNK, max(256, flat.numel() // 64))
     weighted = torch.zeros((), dtype=torch.float64, device=t.device)
-    for start in range(0, flat.numel(), _CHUNK):  # in chunks: a float64 copy of a whole sample would not fit
-        chunk = flat[start:start + _CHUNK].double()
-        positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=t.device)
-        weighted += (chunk * (positions % 65521 + 1).double()).sum()
+    for k, start in enumerate(range(0, flat.numel(), size)):
+        weighted += (k + 1) * torch.cumsum(flat[start:start + size], 0, dtype=torch.float64).sum()
     return torch.stack([flat.sum(dtype=torch.float64), flat[:1024].sum(dtype=torch.float64), weighted])
 
 
