@@ -9,6 +9,6 @@ that no graph can return, and training never reads it.
 """
 
 from .graph import Captured, at_sizes, capture
-from .shapes import ShapeRange, SymbolicSize, value_key
+from .shapes import ShapeRange, SymbolicSize, constant_keys, value_key
 
-__all__ = ["Captured", "ShapeRange", "SymbolicSize", "at_sizes", "capture", "value_key"]
+__all__ = ["Captured", "ShapeRange", "SymbolicSize", "at_sizes", "capture", "constant_keys", "value_key"]

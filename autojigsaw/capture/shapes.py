@@ -42,7 +42,7 @@ class ShapeRange:
         flat, spec = pytree.tree_flatten((args, kwargs))
         if str(spec) != self.structure or len(flat) != len(self.dims):
             return False
-        if tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor)) != self.constants:
+        if constant_keys(flat) != self.constants:
             return False
         seen: dict[str, int] = {}
         for x, dims, dtype in zip(flat, self.dims, self.dtypes):
@@ -75,7 +75,12 @@ def shape_range(input_values: list, args: tuple, kwargs: dict, ranges) -> ShapeR
     dims = tuple(tuple(_size(n, ranges) for n in val.shape) if isinstance(val, torch.Tensor) else None
                  for val in input_values)
     return ShapeRange(str(spec), dims, tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in flat),
-                      tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor)))
+                      constant_keys(flat))
+
+
+def constant_keys(flat: list) -> tuple:
+    """value_key of each input that is no tensor, in order: what export baked into the graph."""
+    return tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor))
 
 
 def value_key(x) -> tuple:

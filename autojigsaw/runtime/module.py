@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from ..capture import Captured, value_key
+from ..capture import Captured, constant_keys, value_key
 from ..ir import ORIGIN, GradKind
 from ..kernels.collectives import CollectiveError, shard_slice
 from ..mesh import MeshSpec, RankView
@@ -142,7 +142,7 @@ class ParallelModule(nn.Module):
         values of the inputs that are no tensors."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._local_inputs_given:
-            call = ("local shards", tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor)))
+            call = ("local shards", constant_keys(flat))
         else:
             call = (str(spec), tuple(value_key(x) for x in flat))
         return module_state(self._model), call
