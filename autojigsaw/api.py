@@ -1,8 +1,8 @@
 """The recipe: capture -> strategies -> costs -> solve -> Plan; then rewrite -> materialize -> compile.
 
 `plan` runs the first half on any mesh without a process group; `parallelize` runs all of it on
-each rank (at the first call when no example inputs are given) and hands the result to a
-ParallelModule, which only holds and runs it.
+each rank (at the first call when no example inputs are given; rank 0 alone plans and sends the
+plan) and hands the result to a ParallelModule, which only holds and runs it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from .runtime.checks import check_agreement, check_group, check_plan, default_bu
 from .runtime.fsdp import shard_over_data_axis
 from .runtime.materialize import materialize_model
 from .runtime.module import ParallelModule, Program
+from .runtime.one_plan import planned_on_rank0
 from .runtime.same_values import check_same_values, values_to_agree
 from .strategies.annotate import annotate
 from .strategies.data_pins import data_pins
@@ -233,21 +234,23 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     else:
         symbolic = _symbolic(model, args, kwargs, options.regime) if dynamic else None
     captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, options.regime)
-    facts, failed = _facts(captured), None
+    failed = None
     try:
         if reuse is not None:
             plan = _reused(captured, reuse.plan)
             symbolic = symbolic if plan is not None else None
-        if plan is None:
-            pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
-            plan = plan_captured(captured, mesh, options, pins)
-        check_plan(plan, mesh)
-        facts["plan"] = plan.fingerprint()
+        if plan is not None:
+            check_plan(plan, mesh)
+        plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
     except ValueError as e:  # told to the other ranks first, so that none waits for this one
-        facts["plan"], failed = f"none, planning failed: {str(e).splitlines()[0]}", e
-    check_agreement(facts)
+        plan_fact, failed = f"none: {str(e).splitlines()[0]}", e
+    # every rank agrees on the plan, or on what rank 0 is to plan, before it is made
+    check_agreement({**_facts(captured), "plan": plan_fact, "options": _options_fact(options)})
     if failed is not None:
         raise failed
+    if plan is None:
+        pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
+        plan = planned_on_rank0(lambda: plan_captured(captured, mesh, options, pins))
     check_same_values(values_to_agree(model, captured, args, kwargs, weights=pinned is None,
                                       whole_inputs=options.input_placements is None))
     rank = RankView.of(device_mesh, mesh)
@@ -287,6 +290,11 @@ def _reused(captured: Captured, plan: Plan) -> Plan | None:
         log.info("autojigsaw: dynamic=True: the plan does not apply to input shapes %s (%s); planning them "
                  "with the parameters as placed", captured.input_shapes, e)
         return None
+
+
+def _options_fact(options: Options) -> str:
+    """The options every rank must plan with alike (rank 0's plan serves all), as text."""
+    return repr(replace(options, device=options.device if isinstance(options.device, str) else options.device.name))
 
 
 def _facts(captured: Captured) -> dict[str, str]:

@@ -1,14 +1,17 @@
-"""Ranks that diverge (versions, input shapes, model, plan) get a clear error before any collective of the step.
+"""Ranks that diverge (versions, input shapes, model, plan, options) get a clear error before any collective of the step.
 
-Every rank raises a ValueError naming what differs and on which ranks; none hangs.
+Every rank raises a ValueError naming what differs and on which ranks; none hangs. Rank 0 alone plans
+and sends the plan, or its planning error, to the others.
 """
+
+import os
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 import autojigsaw
-from autojigsaw import Plan
+from autojigsaw import Plan, api
 from autojigsaw.runtime import checks
 from autojigsaw.testing.local_ranks import get_mesh
 
@@ -62,3 +65,56 @@ def test_ranks_with_another_version_are_told_which(ranks2):
         assert f"ranks [1]: {OTHER_VERSIONS}" in message, message
         assert "give every rank the same installation (torch and autojigsaw versions)" in message, message
         assert not sharded  # raised before any parameter was sharded, let alone a step ran
+
+
+def _planned(case: str):
+    """Whether this rank planned, the plan's fingerprint, and the error it raised (if any)."""
+    rank = torch.distributed.get_rank()
+    model, x = build("mlp", torch.float64), torch.randn(4, 8, 16, dtype=torch.float64)
+    sharded = int(0.7 * autojigsaw.plan(model, (x,), {"tensor": 1}, device="cpu").memory_per_rank)
+    budget = {"one plan": sharded, "rank 0 cannot plan": 1_000, "options differ": sharded + rank}[case]
+    calls, real = [], api.plan_captured
+    api.plan_captured = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        pmodel = autojigsaw.parallelize(model, get_mesh((2,), ("tensor",)), (x,), compile=False,
+                                        memory_budget=budget)
+        return len(calls), pmodel.plan.fingerprint(), None
+    except ValueError as e:
+        return len(calls), None, str(e)
+    finally:
+        api.plan_captured = real
+
+
+def test_rank_0_alone_plans_and_every_rank_runs_its_plan(ranks2):
+    (calls0, plan0, error0), (calls1, plan1, error1) = ranks2.run(_planned, "one plan", timeout=120)
+    assert (calls0, calls1) == (1, 0) and error0 is None and error1 is None
+    assert plan0 == plan1
+
+
+def test_rank_0s_planning_error_is_raised_on_every_rank(ranks2):
+    (calls0, _, error0), (calls1, _, error1) = ranks2.run(_planned, "rank 0 cannot plan", timeout=120)
+    assert (calls0, calls1) == (1, 0)
+    assert error0 is not None and error0 == error1, (error0, error1)
+    assert "1,000" in error0 or "1000" in error0 or "budget" in error0, error0
+
+
+def test_ranks_with_other_options_are_told_before_any_plan_is_made(ranks2):
+    for calls, _, error in ranks2.run(_planned, "options differ", timeout=120):
+        assert calls == 0
+        assert error is not None and error.startswith("ranks disagree on the options"), error
+        assert error.count("memory_budget=") == 2, error
+
+
+def _default_budgets() -> tuple[int, int]:
+    """This rank's default budget, with rank 1 alone told that 4 ranks share its host."""
+    rank, before = torch.distributed.get_rank(), os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "4" if rank == 1 else "2"
+    try:
+        return checks.default_budget(get_mesh((2,), ("tensor",))), os.sysconf("SC_PHYS_PAGES")
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE") if before is None else os.environ.update(LOCAL_WORLD_SIZE=before)
+
+
+def test_the_default_budget_is_the_emptiest_ranks(ranks2):
+    (budget0, pages), (budget1, _) = ranks2.run(_default_budgets, timeout=60)
+    assert budget0 == budget1 == int(0.9 * os.sysconf("SC_PAGE_SIZE") * pages / 4)

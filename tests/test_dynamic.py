@@ -1,6 +1,6 @@
 """dynamic=True: one plan serves every batch size and sequence length torch.export keeps symbolic.
 
-Each rank plans once, at the first shape; the other shapes must run with that plan (uneven shards
+Rank 0 plans once, at the first shape, for every rank; the other shapes must run with that plan (uneven shards
 included), never planned again, and give the single-device numbers.
 """
 
@@ -77,9 +77,9 @@ def _dynamic_run(name: str, budget: int) -> dict:
 
 def _check(name: str, results: list[dict], tolerance: float) -> None:
     shapes = len(set(SHAPES[name]))
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["sharded"] > 0, r
-        assert r["plans"] == 1 and r["programs"] == shapes and r["reused"] == shapes - 1, r  # one plan for all
+        assert r["plans"] == (rank == 0) and r["programs"] == shapes and r["reused"] == shapes - 1, r  # one plan for all
         assert r["decisions"] == 1, "every shape must run the plan's decisions"
         for out_err, grad_err in r["errors"]:
             assert out_err <= tolerance and grad_err <= tolerance, r

@@ -3,7 +3,8 @@
 A dedicated pool of 2 ranks with a 5 s collective timeout (a hang fails the test, never CI).
 The survivor's error is a CollectiveError (a RuntimeError) whose message names the collective,
 the mesh axis and the graph node it served; gloo's own error stays chained as its cause. The
-kernels that overlap their own collectives (fused linears, ring attention, zigzag) raise the same.
+kernels that overlap their own collectives (fused linears, ring attention, zigzag) raise the same,
+and a rank waiting for rank 0's plan says why it stopped waiting.
 """
 
 import json
@@ -19,6 +20,7 @@ from autojigsaw.kernels.attention import ring_attention, to_zigzag
 from autojigsaw.kernels.collectives import CollectiveError
 from autojigsaw.kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
 from autojigsaw.mesh import MeshAxis
+from autojigsaw.runtime.one_plan import planned_on_rank0
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from .models import build
@@ -107,3 +109,29 @@ def test_a_dead_peer_in_any_kernel_raises_a_collective_error(tmp_path):
     for name, msg in got.items():
         assert msg.split(" over mesh axis 'tensor'")[0] in ("all_gather", "reduce_scatter", "send_recv",
                                                            "all_to_all"), (name, msg)
+
+
+def _rank0_gone_before_its_plan(report: str) -> dict:
+    if torch.distributed.get_rank() == 0:
+        os._exit(1)  # as a rank 0 that planned for longer than the group's timeout, seen from rank 1
+    start = time.perf_counter()
+    try:
+        planned_on_rank0(lambda: None)
+        out = {"raised": None}
+    except RuntimeError as e:
+        out = {"raised": str(e)}
+    out["seconds"] = time.perf_counter() - start
+    with open(report, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def test_a_rank_waiting_for_rank_0s_plan_raises_in_time_saying_why(tmp_path):
+    report = str(tmp_path / "rank1.json")
+    with LocalRanks(2, collective_timeout=TIMEOUT) as pool:
+        with pytest.raises(RuntimeError):  # rank 0 is gone
+            pool.run(_rank0_gone_before_its_plan, report, timeout=30)
+    got = json.load(open(report))
+    assert got["raised"] and got["seconds"] <= 2 * TIMEOUT + 5, got
+    assert "rank 0's plan did not arrive" in got["raised"] and "timeout=" in got["raised"], got
+    assert "pass plan= to parallelize" in got["raised"], got

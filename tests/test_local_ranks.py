@@ -1,4 +1,6 @@
-"""The worker pool itself: results in rank order, errors and hangs reported, pool reusable."""
+"""The worker pool itself: results in rank order, errors, deaths and hangs reported, pool reusable."""
+
+import os
 
 import pytest
 import torch
@@ -19,6 +21,12 @@ def _fail_on_rank_one():
     dist.barrier()
 
 
+def _exit_on_rank_one():
+    if dist.get_rank() == 1:
+        os._exit(3)  # gone without a word, as when the kernel kills it for memory
+    return True
+
+
 def _sleep_forever_on_rank_zero():
     if dist.get_rank() == 0:
         import time
@@ -34,6 +42,12 @@ def test_results_in_rank_order(ranks2):
 def test_failure_names_rank_and_pool_recovers(ranks2):
     with pytest.raises(RankFailure, match="(?s)rank 1.*boom on one"):
         ranks2.run(_fail_on_rank_one)
+    assert ranks2.run(_rank_and_sum) == [(0, 1.0), (1, 1.0)]
+
+
+def test_a_rank_that_dies_is_named_at_once_not_at_the_timeout(ranks2):
+    with pytest.raises(RankFailure, match="rank 1's process exited with code 3"):
+        ranks2.run(_exit_on_rank_one, timeout=120)  # the task timeout would say TimeoutError
     assert ranks2.run(_rank_and_sum) == [(0, 1.0), (1, 1.0)]
 
 

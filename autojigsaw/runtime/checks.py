@@ -22,12 +22,18 @@ def device_of(mesh) -> str:
 
 
 def default_budget(device_mesh) -> int:
-    """Bytes per rank to plan under when none is given: 90 % of what this rank's device has free
-    (a GPU's free memory; on CPU the host's memory shared by the ranks on this host)."""
+    """Bytes per rank to plan under when none is given: 90 % of what the emptiest rank's device has
+    free (a GPU's free memory; on CPU the host's memory shared by the ranks on this host)."""
     if getattr(device_mesh, "device_type", "cpu") == "cuda" and torch.cuda.is_available():
-        return int(0.9 * torch.cuda.mem_get_info()[0])
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-    return int(0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_ranks, 1))
+        mine = int(0.9 * torch.cuda.mem_get_info()[0])
+    else:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+        mine = int(0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_ranks, 1))
+    if not dist.is_initialized():
+        return mine
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # one plan for all: it must fit the rank with the least free
+    return min(every)
 
 
 def check_group(device_mesh, mesh: MeshSpec) -> None:
@@ -73,5 +79,6 @@ def installed_versions() -> str:
 
 
 _FIX = {"versions": "installation (torch and autojigsaw versions)", "model": "model (parameter names, shapes "
-        "and dtypes)", "inputs": "input shapes and dtypes", "plan": "model, inputs and options"}
+        "and dtypes)", "inputs": "input shapes and dtypes", "plan": "model, inputs and options",
+        "options": "options to parallelize (memory_budget, device, optimizer, mp_policy, ...)"}
 _VERSION = version("autojigsaw")

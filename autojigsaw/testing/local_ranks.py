@@ -13,6 +13,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -130,15 +131,21 @@ class LocalRanks:
         deadline = timeout or self.timeout
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
-        start = datetime.datetime.now()
+        start = time.monotonic()
+        end = start + deadline
         while len(results) + len(failures) < self.world_size:
-            left = deadline - (datetime.datetime.now() - start).total_seconds()
-            if failures:  # the other ranks may be stuck in a collective: give them a moment
-                left = min(left, 5.0)
             try:
-                rank, ok, value = self._results.get(timeout=max(left, 0.01))
+                rank, ok, value = self._results.get(timeout=max(min(end - time.monotonic(), 1.0), 0.01))
             except queue.Empty:
-                break
+                dead = self._dead(set(results) | set(failures))
+                if dead:  # its peers learn of it only when their collective times out: give them that long
+                    end = min(end, time.monotonic() + self.collective_timeout + 5.0) if not failures else end
+                    failures.update(dead)
+                if time.monotonic() >= end:
+                    break
+                continue
+            if not ok and not failures:  # the other ranks may be stuck in a collective: give them a moment
+                end = min(end, time.monotonic() + 5.0)
             (results if ok else failures)[rank] = value
         missing = sorted(set(range(self.world_size)) - results.keys() - failures.keys())
         if failures or missing:
@@ -151,6 +158,11 @@ class LocalRanks:
                 f"{fn.__name__} did not finish within {deadline:.0f} s on ranks {missing}"
             )
         return [results[r] for r in range(self.world_size)]
+
+    def _dead(self, answered: set[int]) -> dict[int, str]:
+        """Ranks whose process ended before they answered, with their exit codes."""
+        return {r: f"rank {r}'s process exited with code {p.exitcode} before it answered (killed, out of "
+                   "memory, or os._exit)" for r, p in enumerate(self._procs) if r not in answered and not p.is_alive()}
 
     def close(self) -> None:
         """Stop the workers (the pool restarts itself on the next `run`)."""
