@@ -155,8 +155,11 @@ class _Dropout(torch.nn.Module):
 
 def _ranks_apart(case: str) -> str:
     rank = dist.get_rank()
-    torch.manual_seed(100 + rank if case == "weights" else 0)  # as an unseeded script builds it
+    torch.manual_seed(100 + rank if "weights" in case else 0)  # as an unseeded script builds it
     model = _Dropout() if case == "random state" else MLP()
+    if case == "meta weights":  # each rank draws its shards from its own generator's state
+        with autojigsaw.meta_init():
+            model = MLP()
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(rank if case == "inputs" else 0))
     if case == "random state":
         torch.manual_seed(rank)
@@ -181,6 +184,8 @@ def _ranks_apart(case: str) -> str:
 
 @pytest.mark.parametrize("case,message", [
     ("weights", "parameter 'fc1.weight' differs between rank 0 and ranks [1]: seed every rank alike"),
+    ("meta weights", "parameter 'fc1.weight' (the generator state meta_init draws it from) differs between rank 0 "
+                     "and ranks [1]: seed every rank alike"),
     ("inputs", "input 'x' differs between rank 0 and ranks [1]: parallelize takes the whole inputs, the same"),
     ("random state", "the random generators' state differs between rank 0 and ranks [1]: the model draws random"),
     ("none", "no error"),

@@ -200,6 +200,14 @@ def is_recorded(t: torch.Tensor) -> bool:
     return t.is_meta and _key(t) in _RECORDED
 
 
+def recorded_draws(t: torch.Tensor) -> torch.Tensor | None:
+    """The generator states the random ops that make meta tensor `t` start from, as one tensor
+    (None if none draws): ranks seeded apart would materialize other values from them."""
+    recording = _RECORDED.get(_key(t)) if t.is_meta else None
+    states = [op.rng_state for op in recording.ops_for(_key(t)) if op.rng_state is not None] if recording else []
+    return torch.cat(states) if states else None
+
+
 def materialize(t: torch.Tensor) -> torch.Tensor:
     """The real value of meta tensor `t`, replayed on the device it was recorded for."""
     recording = _RECORDED[_key(t)]

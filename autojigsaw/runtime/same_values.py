@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from ..capture import Captured
+from .init import recorded_draws
 
 SEED = "seed every rank alike (torch.manual_seed(0)) before building the model, or load the same weights"
 SAME_INPUTS = ("parallelize takes the whole inputs, the same on every rank, and slices each rank's shard: give every "
@@ -63,6 +64,9 @@ def values_to_agree(model: torch.nn.Module, captured: Captured, args: tuple, kwa
     entries = []
     if weights:
         entries += [(f"parameter {fqn!r}", SEED, p) for fqn, p in model.named_parameters() if not p.is_meta]
+        draws = [(fqn, recorded_draws(p)) for fqn, p in model.named_parameters() if p.is_meta]
+        entries += [(f"parameter {fqn!r} (the generator state meta_init draws it from)", SEED, d)
+                    for fqn, d in draws if d is not None]
     if whole_inputs:
         leaves = pytree.tree_leaves((args, kwargs))
         entries += [(f"input {name!r}", SAME_INPUTS, x) for name, x in zip(captured.inputs, leaves)
