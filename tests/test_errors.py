@@ -153,6 +153,15 @@ class _Dropout(torch.nn.Module):
         return torch.nn.functional.dropout(self.fc(x), 0.5)
 
 
+class _Projected(MLP):
+    def __init__(self, projection: torch.Tensor):
+        super().__init__()
+        self.register_buffer("projection", projection)
+
+    def forward(self, x):
+        return super().forward(x @ self.projection)
+
+
 def _ranks_apart(case: str) -> str:
     rank = dist.get_rank()
     torch.manual_seed(100 + rank if "weights" in case else 0)  # as an unseeded script builds it
@@ -160,6 +169,8 @@ def _ranks_apart(case: str) -> str:
     if case == "meta weights":  # each rank draws its shards from its own generator's state
         with autojigsaw.meta_init():
             model = MLP()
+    if case == "buffer":  # a fixed random projection, drawn apart after weights seeded alike
+        model = _Projected(torch.randn(16, 16, generator=torch.Generator().manual_seed(rank)))
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(rank if case == "inputs" else 0))
     if case == "random state":
         torch.manual_seed(rank)
@@ -186,6 +197,7 @@ def _ranks_apart(case: str) -> str:
     ("weights", "parameter 'fc1.weight' differs between rank 0 and ranks [1]: seed every rank alike"),
     ("meta weights", "parameter 'fc1.weight' (the generator state meta_init draws it from) differs between rank 0 "
                      "and ranks [1]: seed every rank alike"),
+    ("buffer", "buffer 'projection' differs between rank 0 and ranks [1]: seed every rank alike"),
     ("inputs", "input 'x' differs between rank 0 and ranks [1]: parallelize takes the whole inputs, the same"),
     ("random state", "the random generators' state differs between rank 0 and ranks [1]: the model draws random"),
     ("none", "no error"),

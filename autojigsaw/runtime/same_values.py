@@ -59,11 +59,12 @@ def _same(a: float, b: float) -> bool:
 
 def values_to_agree(model: torch.nn.Module, captured: Captured, args: tuple, kwargs: dict, *, weights: bool,
                     whole_inputs: bool) -> list[tuple[str, str, torch.Tensor]]:
-    """What every rank must hold alike before a program runs: the weights (before they are sharded),
+    """What every rank must hold alike before a program runs: the weights and buffers (before they are sharded),
     the whole inputs (not shards the caller passes), the random state where the graph draws from it."""
     entries = []
     if weights:
         entries += [(f"parameter {fqn!r}", SEED, p) for fqn, p in model.named_parameters() if not p.is_meta]
+        entries += [(f"buffer {fqn!r}", SEED, b) for fqn, b in model.named_buffers() if not b.is_meta]
         draws = [(fqn, recorded_draws(p)) for fqn, p in model.named_parameters() if p.is_meta]
         entries += [(f"parameter {fqn!r} (the generator state meta_init draws it from)", SEED, d)
                     for fqn, d in draws if d is not None]
