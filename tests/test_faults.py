@@ -28,6 +28,26 @@ from .models import build
 TIMEOUT = 5.0
 
 
+def _write(report: str, out: dict) -> dict:
+    """The surviving rank's findings, written where the test reads them after the pool is gone."""
+    with open(report, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def _survivors_report(tmp_path, case, *args) -> tuple[dict, bool]:
+    """`case(*args, report)` on a fresh pair of ranks, one of which dies or stalls: the report the
+    other wrote, and whether the pool raised (the faulty rank never answers as asked)."""
+    report = str(tmp_path / "survivor.json")
+    with LocalRanks(2, collective_timeout=TIMEOUT) as pool:
+        try:
+            pool.run(case, *args, report, timeout=30)
+            raised = False
+        except (TimeoutError, RuntimeError):
+            raised = True
+    return json.load(open(report)), raised
+
+
 def _fault_case(fault: str, report: str) -> dict:
     model = build("mlp", torch.float64)
     x = torch.randn(4, 8, 16, dtype=torch.float64)
@@ -47,20 +67,12 @@ def _fault_case(fault: str, report: str) -> dict:
     except CollectiveError as e:
         out = {"raised": str(e), "cause": type(e.__cause__).__name__ if e.__cause__ else None}
     out["seconds"] = time.perf_counter() - start
-    with open(report, "w") as f:
-        json.dump(out, f)
-    return out
+    return _write(report, out)
 
 
 @pytest.mark.parametrize("fault", ["dies", "stalls"])
 def test_the_survivor_raises_in_time_naming_collective_and_node(tmp_path, fault):
-    report = str(tmp_path / "rank0.json")
-    with LocalRanks(2, collective_timeout=TIMEOUT) as pool:
-        try:
-            pool.run(_fault_case, fault, report, timeout=30)
-        except (TimeoutError, RuntimeError):
-            pass  # the dead rank never answers; rank 0 wrote its report
-    got = json.load(open(report))
+    got, _ = _survivors_report(tmp_path, _fault_case, fault)
     assert got["raised"], got
     assert got["seconds"] <= 2 * TIMEOUT + 5, got  # within the group's timeout (and scheduling noise)
     msg = got["raised"]
@@ -92,19 +104,11 @@ def _kernel_fault_case(report: str) -> dict:
             out[name] = str(e)
         except Exception as e:  # noqa: BLE001 - the test reports which type it was
             out[name] = f"not a CollectiveError: {type(e).__name__}: {e}"
-    with open(report, "w") as f:
-        json.dump(out, f)
-    return out
+    return _write(report, out)
 
 
 def test_a_dead_peer_in_any_kernel_raises_a_collective_error(tmp_path):
-    report = str(tmp_path / "rank0.json")
-    with LocalRanks(2, collective_timeout=TIMEOUT) as pool:
-        try:
-            pool.run(_kernel_fault_case, report, timeout=30)
-        except (TimeoutError, RuntimeError):
-            pass  # the dead rank never answers; rank 0 wrote its report
-    got = json.load(open(report))
+    got, _ = _survivors_report(tmp_path, _kernel_fault_case)
     assert len(got) == 5, got
     for name, msg in got.items():
         assert msg.split(" over mesh axis 'tensor'")[0] in ("all_gather", "reduce_scatter", "send_recv",
@@ -121,17 +125,12 @@ def _rank0_gone_before_its_plan(report: str) -> dict:
     except RuntimeError as e:
         out = {"raised": str(e)}
     out["seconds"] = time.perf_counter() - start
-    with open(report, "w") as f:
-        json.dump(out, f)
-    return out
+    return _write(report, out)
 
 
 def test_a_rank_waiting_for_rank_0s_plan_raises_in_time_saying_why(tmp_path):
-    report = str(tmp_path / "rank1.json")
-    with LocalRanks(2, collective_timeout=TIMEOUT) as pool:
-        with pytest.raises(RuntimeError):  # rank 0 is gone
-            pool.run(_rank0_gone_before_its_plan, report, timeout=30)
-    got = json.load(open(report))
+    got, pool_raised = _survivors_report(tmp_path, _rank0_gone_before_its_plan)
+    assert pool_raised  # rank 0 is gone
     assert got["raised"] and got["seconds"] <= 2 * TIMEOUT + 5, got
     assert "rank 0's plan did not arrive" in got["raised"] and "timeout=" in got["raised"], got
     assert "pass plan= to parallelize" in got["raised"], got

@@ -63,11 +63,11 @@ def values_to_agree(model: torch.nn.Module, captured: Captured, args: tuple, kwa
     the whole inputs (not shards the caller passes), the random state where the graph draws from it."""
     entries = []
     if weights:
-        entries += [(f"parameter {fqn!r}", SEED, p) for fqn, p in model.named_parameters() if not p.is_meta]
+        for fqn, p in model.named_parameters():  # a meta one: the generator state it will be drawn from
+            value = recorded_draws(p) if p.is_meta else p
+            label = f"parameter {fqn!r}" + (" (the generator state meta_init draws it from)" if p.is_meta else "")
+            entries += [(label, SEED, value)] if value is not None else []
         entries += [(f"buffer {fqn!r}", SEED, b) for fqn, b in model.named_buffers() if not b.is_meta]
-        draws = [(fqn, recorded_draws(p)) for fqn, p in model.named_parameters() if p.is_meta]
-        entries += [(f"parameter {fqn!r} (the generator state meta_init draws it from)", SEED, d)
-                    for fqn, d in draws if d is not None]
     if whole_inputs:
         leaves = pytree.tree_leaves((args, kwargs))
         entries += [(f"input {name!r}", SAME_INPUTS, x) for name, x in zip(captured.inputs, leaves)

@@ -131,16 +131,15 @@ class LocalRanks:
         deadline = timeout or self.timeout
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
-        start = time.monotonic()
-        end = start + deadline
+        end = time.monotonic() + deadline
         while len(results) + len(failures) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=max(min(end - time.monotonic(), 1.0), 0.01))
             except queue.Empty:
                 dead = self._dead(set(results) | set(failures))
-                if dead:  # its peers learn of it only when their collective times out: give them that long
-                    end = min(end, time.monotonic() + self.collective_timeout + 5.0) if not failures else end
-                    failures.update(dead)
+                if dead and not failures:  # its peers learn of it only when their collective times out
+                    end = min(end, time.monotonic() + self.collective_timeout + 5.0)
+                failures.update(dead)
                 if time.monotonic() >= end:
                     break
                 continue
