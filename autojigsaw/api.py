@@ -229,23 +229,24 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     """
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
-    if reuse is not None:
-        symbolic = reuse.symbolic
-    else:
-        symbolic = _symbolic(model, args, kwargs, options.regime) if dynamic else None
-    captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, options.regime)
-    failed = None
+    captured, failed = None, None
     try:
+        if reuse is not None:
+            symbolic = reuse.symbolic
+        else:
+            symbolic = _symbolic(model, args, kwargs, options.regime) if dynamic else None
+        captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, options.regime)
         if reuse is not None:
             plan = _reused(captured, reuse.plan)
             symbolic = symbolic if plan is not None else None
         if plan is not None:
             check_plan(plan, mesh)
         plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
-    except ValueError as e:  # told to the other ranks first, so that none waits for this one
-        plan_fact, failed = f"none: {str(e).splitlines()[0]}", e
-    # every rank agrees on the plan, or on what rank 0 is to plan, before it is made
-    check_agreement({**_facts(captured), "plan": plan_fact, "options": _options_fact(options)})
+    except Exception as e:  # noqa: BLE001 -- told to the other ranks first (none waits for this one), then raised
+        plan_fact, failed = f"none: {(str(e) or type(e).__name__).splitlines()[0]}", e
+    # every rank agrees on the model and on the plan, or on what rank 0 is to plan, before it is made
+    facts = _facts(captured) if captured is not None else {"model": f"not captured ({plan_fact})"}
+    check_agreement({**facts, "plan": plan_fact, "options": _options_fact(options)})
     if failed is not None:
         raise failed
     if plan is None:

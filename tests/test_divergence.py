@@ -5,6 +5,7 @@ and sends the plan, or its planning error, to the others.
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -118,3 +119,39 @@ def _default_budgets() -> tuple[int, int]:
 def test_the_default_budget_is_the_emptiest_ranks(ranks2):
     (budget0, pages), (budget1, _) = ranks2.run(_default_budgets, timeout=60)
     assert budget0 == budget1 == int(0.9 * os.sysconf("SC_PAGE_SIZE") * pages / 4)
+
+
+class _BranchesOnRank1(torch.nn.Module):
+    """Data-dependent control flow on rank 1 only: torch.export captures it on rank 0, not on rank 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16, dtype=torch.float64)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if torch.distributed.get_rank() == 1 and y.sum() > 0:
+            y = y * 2
+        return y
+
+
+def _capture_fails_on_rank1():
+    """(the error, seconds to it) of parallelize where only rank 1 cannot capture the model."""
+    torch.manual_seed(0)
+    start = time.monotonic()
+    try:
+        autojigsaw.parallelize(_BranchesOnRank1(), get_mesh((2,), ("tensor",)),
+                               (torch.randn(4, 8, 16, dtype=torch.float64),), compile=False)
+    except ValueError as e:
+        return str(e), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_rank_that_cannot_capture_the_model_tells_the_others(ranks2):
+    """Rank 0 captured and went on to the agreement; it hears why rank 1 stopped rather than waiting out
+    the 60 s process-group timeout."""
+    (message0, seconds0), (message1, seconds1) = ranks2.run(_capture_fails_on_rank1, timeout=120)
+    for message in (message0, message1):
+        assert message is not None and "ranks disagree on the model" in message, message
+        assert "ranks [1]: not captured" in message and "could not capture" in message, message
+    assert max(seconds0, seconds1) < ranks2.collective_timeout / 2, (seconds0, seconds1)

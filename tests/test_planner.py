@@ -290,8 +290,9 @@ def test_a_search_stopped_by_the_time_limit_keeps_a_plan_that_fits_and_says_its_
     model, inputs = build("vit")
     problem = _problem(model, inputs, {"domain": 2, "tensor": 2}, tie_layers=False)
     budget = 0.6 * replicated_bytes("vit", torch.float64)
-    with pytest.warns(UserWarning, match="time limit of 2 s reached; the plan is within"):
-        solution = solve(problem, budget, time_limit=2.0)
+    # 8 s: a plan is found in ~3 s even beside another busy process (2 s was not always enough)
+    with pytest.warns(UserWarning, match="time limit of 8 s reached; the plan is within"):
+        solution = solve(problem, budget, time_limit=8.0)
     assert 0 < solution.gap < 1 and solution.peak_memory <= budget * (1 + 1e-6)
     assert problem.memory.peak(solution.choice)[0] == solution.peak_memory
 
