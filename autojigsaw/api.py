@@ -11,6 +11,7 @@ import functools
 import hashlib
 import logging
 import numbers
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -299,12 +300,15 @@ def _options_fact(options: Options) -> str:
 
 
 def _facts(captured: Captured) -> dict[str, str]:
-    """What every rank must agree on before the step: the model's parameters and the input shapes."""
+    """What every rank must agree on before the step: the model's parameters, the input shapes and the
+    traced program (a constant or a branch that differs by rank changes it; device indices do not)."""
     values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
     model = hashlib.sha256(repr([(fqn, tuple(values[ph].shape), str(values[ph].dtype))
                                  for ph, fqn in sorted(captured.params.items(), key=lambda kv: kv[1])]).encode())
     inputs = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in captured.input_values]
-    return {"model": model.hexdigest()[:16], "inputs": repr(inputs)}
+    program = hashlib.sha256(re.sub(r"device\(type='(\w+)', index=\d+\)", r"device(type='\1')",
+                                    captured.gm.code).encode())
+    return {"model": model.hexdigest()[:16], "inputs": repr(inputs), "program": program.hexdigest()[:16]}
 
 
 def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options(),

@@ -1,4 +1,5 @@
-"""Ranks that diverge (versions, input shapes, model, plan, options) get a clear error before any collective of the step.
+"""Ranks that diverge (versions, input shapes, model, program, plan, options) get a clear error before any
+collective of the step.
 
 Every rank raises a ValueError naming what differs and on which ranks; none hangs. Rank 0 alone plans
 and sends the plan, or its planning error, to the others.
@@ -133,6 +134,35 @@ class _BranchesOnRank1(torch.nn.Module):
         if torch.distributed.get_rank() == 1 and y.sum() > 0:
             y = y * 2
         return y
+
+
+class _Scaled(torch.nn.Module):
+    """An output scale kept as a plain attribute: it becomes a constant of the traced program."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.proj, self.scale = torch.nn.Linear(16, 16, dtype=torch.float64), scale
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+def _scale_set_per_rank():
+    """parallelize's error where each rank scales by another constant (same weights, same shapes)."""
+    torch.manual_seed(0)
+    try:
+        autojigsaw.parallelize(_Scaled(1.0 + torch.distributed.get_rank()), get_mesh((2,), ("tensor",)),
+                               (torch.randn(4, 8, 16, dtype=torch.float64),), compile=False)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_constant_that_differs_by_rank_is_found_in_the_traced_program(ranks2):
+    """Weights, shapes and plan agree; only the program differs. Each rank would train its own model."""
+    for message in ranks2.run(_scale_set_per_rank, timeout=120):
+        assert message is not None and "ranks disagree on the program" in message, message
+        assert "ranks [0]" in message and "ranks [1]" in message and "set per rank" in message, message
 
 
 def _capture_fails_on_rank1():

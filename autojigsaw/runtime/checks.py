@@ -57,8 +57,8 @@ def check_plan(plan: Plan, mesh: MeshSpec) -> None:
 
 
 def check_agreement(facts: dict[str, str]) -> None:
-    """Every rank must run the same versions, model, input shapes and plan, or collectives would not
-    match up: one exchange of small facts, before any collective of the step, and an error naming
+    """Every rank must run the same versions, model, input shapes, program and plan, or collectives would
+    not match up: one exchange of small facts, before any collective of the step, and an error naming
     what differs and on which ranks (a rank whose planning failed says so in its "plan")."""
     mine = {"versions": installed_versions(), **facts}
     gathered = [None] * dist.get_world_size()
@@ -79,6 +79,7 @@ def installed_versions() -> str:
 
 
 _FIX = {"versions": "installation (torch and autojigsaw versions)", "model": "model (parameter names, shapes "
-        "and dtypes)", "inputs": "input shapes and dtypes", "plan": "model, inputs and options",
+        "and dtypes)", "inputs": "input shapes and dtypes", "program": "model code (the program traced from it differs: a constant or "
+        "an attribute set per rank, a branch on the rank)", "plan": "model, inputs and options",
         "options": "options to parallelize (memory_budget, device, optimizer, mp_policy, ...)"}
 _VERSION = version("autojigsaw")
