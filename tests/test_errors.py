@@ -1,6 +1,7 @@
 """Bad input gets a ValueError that says what is wrong and how to fix it."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -215,6 +216,27 @@ def test_plan_for_another_mesh_and_inputs_of_another_shape(ranks2):
     for errors in ranks2.run(_plan_for_other_mesh_and_wrong_inputs):
         assert "made for mesh tensor=4 but the module runs on tensor=2" in errors[0]
         assert "input 'x' has shape (2, 6, 16) but the plan expects this rank's shard of shape" in errors[1]
+
+
+def _parameter_assigned_after_parallelize() -> str:
+    model = build("mlp", torch.float32)
+    pmodel = autojigsaw.parallelize(model, get_mesh((2,), ("tensor",)), (X,), compile=False)
+    name, param = next(iter(pmodel.named_parameters()))
+    owner, _, leaf = name.rpartition(".")
+    setattr(pmodel.get_submodule(owner), leaf, torch.nn.Parameter(torch.zeros(param.shape)))
+    try:
+        pmodel(X)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_parameter_assigned_after_parallelize_is_named(ranks2):
+    # a bare AttributeError ('Parameter' object has no attribute 'to_local') from the forward before
+    for error in ranks2.run(_parameter_assigned_after_parallelize):
+        assert re.match(r"parameter '\w+\.weight' is a plain Parameter of shape \(\d+, \d+\), not the DTensor "
+                        r"parallelize made of it \(placed \{'tensor': (Shard\(dim=\d\)|Replicate\(\))\}", error), error
+        assert "Assign it before parallelize, or set its values in place" in error, error
 
 
 class _RoundThrough(torch.autograd.Function):

@@ -195,7 +195,7 @@ class ParallelModule(nn.Module):
                 continue
             if node.name in captured.params:
                 # through this module, whose parameters FSDP swaps for gathered ones around the forward
-                feeds.append(self._compute_copy(self.get_parameter(captured.params[node.name]).to_local()))
+                feeds.append(self._compute_copy(self._local_parameter(captured.params[node.name])))
             elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
                 # The module's own buffer (made real from meta, or loaded) over export's copy of it.
                 buf = self._model.get_buffer(captured.buffers[node.name])
@@ -222,6 +222,17 @@ class ParallelModule(nn.Module):
         if not self._local_outputs:
             outs = self._as_dtensors(outs)
         return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+    def _local_parameter(self, fqn: str) -> torch.Tensor:
+        """This rank's shard of parameter `fqn`; a clear error if it was replaced by a plain tensor."""
+        p = self.get_parameter(fqn)
+        if not isinstance(p, DTensor):
+            placed = dict(zip(self.mesh.axis_names, self.plan.param_placements.get(fqn, ())))
+            raise ValueError(f"parameter {fqn!r} is a plain {type(p).__name__} of shape {tuple(p.shape)}, not the "
+                             f"DTensor parallelize made of it (placed {placed} on the mesh axes): it was assigned "
+                             "after parallelize. Assign it before parallelize, or set its values in place "
+                             "(pmodel.load_state_dict, or copy_ under torch.no_grad())")
+        return p.to_local()
 
     def _as_dtensors(self, outs: list) -> list:
         """Beside a returned loss, the outputs the plan leaves sharded (logits), as DTensors: whole on
