@@ -14,6 +14,7 @@ optimizer's masters) and the graph gets low-precision copies of them and of the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import traceback
 from collections.abc import Callable
@@ -165,6 +166,20 @@ class ParallelModule(nn.Module):
             setattr(model, name, value)
         else:
             super().__setattr__(name, value)
+
+    def __deepcopy__(self, memo: dict) -> ParallelModule:
+        """A copy with its own parameters and buffers (an EMA model: copy.deepcopy, AveragedModel) that
+        runs this module's programs: they hold no weights, and a copied graph would rename its nodes.
+        (Under FSDP, FSDP's own __deepcopy__ refuses first.)"""
+        model = copy.deepcopy(self._model, memo)
+        twin = ParallelModule(model, self.device_mesh, self._make, plan=self.plan,
+                              local_inputs=self._local_inputs_given, local_outputs=self._local_outputs)
+        twin._programs, twin._state, twin._calls = dict(self._programs), self._state, self._calls
+        current = next((p for p in self._programs.values() if p.run is getattr(self, "_program", None)), None)
+        if current is not None:
+            twin._use(current)
+        twin.train(self.training)
+        return twin
 
     def train(self, mode: bool = True) -> ParallelModule:
         """Set the mode of the model's root too (only its children are this module's): the next call
