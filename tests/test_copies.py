@@ -1,4 +1,5 @@
-"""Copies of a parallelized model, as EMA training makes them: copy.deepcopy and AveragedModel.
+"""The parallelized model as an nn.Module: its module tree is the model's, and copies of it (as EMA
+training makes them: copy.deepcopy and AveragedModel) train like one device.
 
 The copy has its own parameter shards and runs the original's programs; both train and average
 like the single-device model and its copy. Under FSDP, FSDP itself refuses a deepcopy; an average
@@ -95,3 +96,20 @@ def test_under_fsdp_deepcopy_is_refused_and_an_average_of_the_parameters_works(r
     for error, diff in ranks2.run(_fsdp_copy):
         assert "FSDP does not support deepcopy" in error, error
         assert diff <= ROUNDOFF, diff
+
+
+def _names(module: torch.nn.Module) -> tuple[list, list, list]:
+    return [n for n, _ in module.named_modules()], [n for n, _ in module.named_parameters()], list(module.state_dict())
+
+
+def _trees() -> tuple[tuple, tuple]:
+    ref = _model()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (torch.randn(4, 16, dtype=F64),),
+                                    compile=False)
+    return _names(pmodel), _names(ref)
+
+
+def test_the_module_tree_is_the_models(ranks2):
+    """The rewritten graph was a submodule ("_graph"): in print(pmodel), modules(), apply and hook loops."""
+    for mine, want in ranks2.run(_trees):
+        assert mine == want, (mine, want)

@@ -129,9 +129,11 @@ class ParallelModule(nn.Module):
         self._buffers.update(self._model._buffers)
 
     def _use(self, program: Program) -> None:
-        self.plan, self._captured, self._rank, self._graph = program.plan, program.captured, program.rank, program.graph
+        self.plan, self._captured, self._rank = program.plan, program.captured, program.rank
         self.precision = program.precision
-        self._program = program.run
+        # plain attributes, not submodules: the module tree (modules(), print, hooks, apply) stays the model's
+        object.__setattr__(self, "_graph", program.graph)
+        object.__setattr__(self, "_program", program.run)
         self._sharded_outputs = _sharded_beside_loss(program.captured, program.plan)
 
     # ------------------------------------------------------------ running
