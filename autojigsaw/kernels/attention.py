@@ -22,6 +22,7 @@ import torch
 from ..dtypes import acc_dtype
 from ..mesh import MeshAxis
 from .collectives import pad_dim, wait
+from .once import differentiable_once
 from .ring import Layout, from_zigzag, make_layout, ring_shift, to_zigzag, zigzag_sizes
 
 __all__ = ["from_zigzag", "ring_attention", "to_zigzag", "zigzag_sizes"]
@@ -213,6 +214,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, dout):
         q, k, v, out, lse, mask = ctx.saved_tensors
         grads = _ring_backward(dout, q, k, v, out, lse, mask, ctx.spec, ctx.needs_input_grad[3])

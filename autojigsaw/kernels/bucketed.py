@@ -14,6 +14,7 @@ from ..dtypes import reduce_dtype
 from ..ir import GradKind
 from ..mesh import MeshAxis
 from .collectives import c10d, gather_chunk, pad_dim, raw_all_reduce, record, unpad_chunks, waited
+from .once import differentiable_once
 
 
 def _flat(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -50,6 +51,7 @@ class _BucketAllGather(torch.autograd.Function):
         return tuple(unpad_chunks(piece.flatten(0, 1), d, s) for piece, d, s in zip(pieces, dims, sizes))
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, *gs):
         dims, sizes, axis, grad, shapes, dtypes = ctx.args
         c = axis.coord
@@ -81,6 +83,7 @@ class _BucketGradAllReduce(torch.autograd.Function):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, *gs):
         axis, shapes = ctx.args
         like = next(g for g in gs if g is not None)

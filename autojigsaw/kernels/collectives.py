@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..dtypes import reduce_dtype
 from ..ir import GradKind, bytes_sent
 from ..mesh import MeshAxis
+from .once import differentiable_once
 
 c10d = torch.ops._c10d_functional
 
@@ -192,6 +193,7 @@ class _AllGather(torch.autograd.Function):
         return raw_all_gather(x, dim, sizes, axis)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         dim, sizes, axis, grad = ctx.args
         if grad == GradKind.R:
@@ -208,6 +210,7 @@ class _ReduceScatter(torch.autograd.Function):
         return _raw_reduce_scatter(x, dim, sizes, op, axis)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         dim, sizes, axis, op = ctx.args
         gx = raw_all_gather(g.contiguous(), dim, sizes, axis)
@@ -226,6 +229,7 @@ class _AllReduce(torch.autograd.Function):
         return y
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         op, axis, grad = ctx.args
         if grad == GradKind.P:
@@ -245,6 +249,7 @@ class _AllToAll(torch.autograd.Function):
         return _raw_all_to_all(x, src_dim, dst_dim, src_sizes, dst_sizes, axis)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         src_dim, dst_dim, src_sizes, dst_sizes, axis = ctx.args
         gx = _raw_all_to_all(g, dst_dim, src_dim, dst_sizes, src_sizes, axis)
@@ -259,6 +264,7 @@ class _ShardSlice(torch.autograd.Function):
         return x.narrow(dim, _offset(sizes, axis.coord), sizes[axis.coord]).contiguous()
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         dim, sizes, axis, grad, full = ctx.args
         if grad == GradKind.R:
@@ -278,6 +284,7 @@ class _ToPartial(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         # Every rank holds the full gradient of the Partial value (g / n for an average).
         op, axis, grad = ctx.args
@@ -295,6 +302,7 @@ class _GradAllReduce(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         return raw_all_reduce(g, "sum", ctx.axis), None
 
@@ -306,6 +314,7 @@ class _GradMask(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         return (g if ctx.coord == 0 else torch.zeros_like(g)), None
 

@@ -20,6 +20,7 @@ import torch
 from ..dtypes import acc_dtype
 from ..mesh import MeshAxis
 from .collectives import raw_all_gather, raw_all_reduce
+from .once import differentiable_once
 
 REDUCTIONS = ("none", "mean", "sum")  # aten's enum order: 0, 1, 2
 
@@ -76,6 +77,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss.to(x.dtype)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         x, target, lse, count = ctx.saved_tensors
         reduction, ignore_index, smoothing, classes, offset = ctx.args

@@ -22,6 +22,7 @@ from ..ir import GradKind
 from ..mesh import MeshAxis
 from . import collectives as C
 from .collectives import c10d
+from .once import differentiable_once
 
 # ---------------------------------------------------------------- the ring
 
@@ -155,6 +156,7 @@ class _AllGatherLinear(torch.autograd.Function):
         return torch.cat(outs, dim)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         weight, *chunks = ctx.saved_tensors
         dim, sizes, axis, grad, has_bias = ctx.args
@@ -208,6 +210,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         return y / len(sizes) if op == "avg" else y
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         dim, sizes, op, axis, has_bias = ctx.args
@@ -293,6 +296,7 @@ class _SummaLinear(torch.autograd.Function):
         return y + bias if bias is not None else y
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         x, w_full = ctx.saved_tensors
         w_sizes, y_sizes, domain, tensor = ctx.args

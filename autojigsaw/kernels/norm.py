@@ -17,6 +17,7 @@ import torch
 from ..dtypes import acc_dtype
 from ..mesh import MeshAxis
 from .collectives import raw_all_reduce
+from .once import differentiable_once
 
 
 def _layout(kernel, x, normalized_shape, params, axis: MeshAxis) -> tuple[tuple[int, ...], int]:
@@ -65,6 +66,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         x, weight, mean, rstd = ctx.saved_tensors
         dims, count, axis, bias_dtype = ctx.args
@@ -100,6 +102,7 @@ class _ShardedRmsNorm(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
         dims, count, axis = ctx.args

@@ -14,6 +14,7 @@ import torch
 from ..mesh import MeshAxis
 from ..placements import chunk_sizes
 from .collectives import c10d, named_failure, record, waited
+from .once import differentiable_once
 
 Run = tuple[int, int]  # (global start, length)
 Layout = tuple[tuple[Run, ...], ...]  # the runs of every rank on the axis
@@ -122,6 +123,7 @@ class _Relayout(torch.autograd.Function):
         return _relayout(x, dim, src, dst, axis)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         dim, src, dst, axis = ctx.args
         # A relayout permutes the global sequence: its adjoint is the inverse relayout.

@@ -13,6 +13,7 @@ import torch
 from ..dtypes import acc_dtype
 from ..mesh import MeshAxis
 from .collectives import raw_all_reduce
+from .once import differentiable_once
 
 
 def _row_max(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -37,6 +38,7 @@ class _ShardedSoftmax(torch.autograd.Function):
         return y
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
         dim, log, axis, in_dtype = ctx.args

@@ -57,6 +57,9 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         spec = by_name.get(node.name)
         if node.op == "placeholder":
             new = graph.placeholder(node.name)
+            # FX renames an input named like a builtin ("input" -> "input_1"); every pass after this one
+            # finds inputs by their captured names (a renamed one lost its gradient's sum over the mesh)
+            new.name = node.name
             _annotate(new, node, spec.outputs, node.name)
         elif node.op == "output":
             values = [_moved(env, moved, graph, src, i, pl, rank, node.name)
