@@ -57,6 +57,10 @@ def _tokens(*shape, vocab):
 MODELS: dict[str, tuple[Callable, float]] = {
     "mlp": (lambda: (small_model("mlp", F64), (_randn(4, 8, 16),)), 2.0**-53),
     "linear_stack": (lambda: (small_model("stack", F64), (_randn(4, 8, 16),)), 2.0**-53),
+    # nn.Sequential's forward names its input `input`, a Python builtin (FX renames it in a new graph)
+    "sequential": (lambda: _seeded(lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                                               torch.nn.Linear(64, 16)).to(F64), _randn(4, 8, 16)),
+                   2.0**-53),
     "mlp_stack": (lambda: (mlp_stack(32, 64, 2).to(F64), (_randn(2, 8, 32),)), 2.0**-53),
     "gpt2": (lambda: _hf("gpt2"), 2.0**-53),
     "llama": (lambda: _hf("llama"), 2.0**-24),  # RMSNorm and RoPE tables computed in fp32
@@ -98,7 +102,8 @@ def _probe(out) -> torch.Tensor:
 
 
 def probe(name: str, plan: str, mesh_shape: tuple, axes: tuple) -> dict:
-    """Output and every parameter's gradient against one device, relative to the largest entry.
+    """Output, every parameter's and every floating input's gradient against one device, relative to
+    the largest entry (of the parameters' gradients, of the inputs').
 
     Gradients are measured against the model's largest gradient entry, since some are zero in
     exact arithmetic (an attention key bias: softmax ignores a shift) and only rounding noise.
@@ -106,7 +111,8 @@ def probe(name: str, plan: str, mesh_shape: tuple, axes: tuple) -> dict:
     ref, inputs = build(name)
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh(mesh_shape, axes), inputs, compile=False,
                                     plan=Plan.from_json(plan))
-    out, ref_out = pmodel(*inputs), ref(*inputs)
+    mine, theirs = _leaves(inputs), _leaves(inputs)
+    out, ref_out = pmodel(*mine), ref(*theirs)
     _probe(out).backward()
     _probe(ref_out).backward()
     pairs = [(a, b) for a, b in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref_out)) if isinstance(b, torch.Tensor)]
@@ -114,8 +120,17 @@ def probe(name: str, plan: str, mesh_shape: tuple, axes: tuple) -> dict:
     scale = max(q.grad.abs().max().item() for q in ref.parameters())
     for (pname, p), q in zip(pmodel.named_parameters(), ref.parameters()):
         errors[pname] = _diff(p.grad.full_tensor(), q.grad) / scale
+    floats = [(i, a, b) for i, (a, b) in enumerate(zip(mine, theirs)) if b.requires_grad]
+    scale = max([b.grad.abs().max().item() for _, _, b in floats] or [0.0])
+    for i, a, b in floats if scale else ():  # inputs' gradients, as a gradient penalty or a saliency map reads them
+        errors[f"input {i}"] = _diff(a.grad, b.grad) / scale
     sharded = sum(any(not pl.is_replicate() for pl in p.placements) for p in pmodel.parameters())
     return {"errors": errors, "sharded": sharded, "unit": MODELS[name][1]}
+
+
+def _leaves(inputs: tuple) -> list:
+    """Fresh copies of the inputs, the floating ones requiring grad."""
+    return [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
 
 
 def probe_all(names: list[str], plans: dict[str, str], mesh_shape: tuple, axes: tuple) -> dict:
