@@ -33,6 +33,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            _detach_no_grad_regions(ep.graph_module)
             ep = ep.run_decompositions({})
     except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
         log.debug("torch.export's output before it failed (the partial graph):\n%s", torch_stderr.getvalue())
@@ -40,6 +41,24 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     sys.stderr.write(torch_stderr.getvalue())
     _refuse_custom_backward(model, applied)
     return ep
+
+
+def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> None:
+    """Detach what each `with torch.no_grad():` block of the forward returns (an EMA teacher, a target).
+
+    Export's training graph keeps such a block as a region run with grad disabled; the decompositions
+    inline it and drop the mode, and the gradient flowed through it (the teacher's weights got
+    gradients, an input's gradient took that path too). Detached outputs carry none, as under no_grad.
+    """
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_set_grad_enabled
+                and node.args[0] is False):
+            region = getattr(gm, node.args[1].target)
+            out = region.graph.output_node()
+            with region.graph.inserting_before(out):
+                out.args = (tuple(region.graph.call_function(aten.detach.default, (v,)) if isinstance(v, torch.fx.Node)
+                                  else v for v in out.args[0]),)
+            region.recompile()
 
 
 @contextlib.contextmanager

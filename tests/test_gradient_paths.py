@@ -1,9 +1,11 @@
-"""Gradients with respect to the inputs equal one device's; a gradient of a gradient is refused.
+"""Gradients go where they go on one device: to inputs, not through no_grad blocks, not twice.
 
 nn.Sequential's forward names its input `input`, a Python builtin, which FX renames in a new graph
 ("input_1"): the rewrite lost the input, and the input's gradient was each rank's partial sum
-(14 % off, different on each rank) with no error. Autojigsaw's kernels are differentiable once:
-with create_graph=True the second derivatives would miss their collectives, so it is an error.
+(14 % off, different on each rank) with no error. A `with torch.no_grad():` block in the forward
+(an EMA teacher) was inlined by export's decompositions without its mode, and its weights got
+gradients. Autojigsaw's kernels are differentiable once: with create_graph=True the second
+derivatives would miss their collectives, so it is an error.
 """
 
 import copy
@@ -89,3 +91,41 @@ def test_a_gradient_of_a_gradient_is_refused(ranks2):
         assert re.search(r"\w+ on mesh axis 'tensor' is differentiable once, and this backward runs with "
                          r"create_graph=True", error), error
         assert "compute that term on the single-device model" in error, error
+
+
+class _Teacher(torch.nn.Module):
+    """A student regressed on a teacher run under no_grad, as self-distillation and BYOL write it."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+        self.teacher = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        return (self.student(x) - target).square().mean()
+
+
+def _no_grad_block() -> tuple[list, float]:
+    """The parameters with a gradient, and the largest difference from one device of the student's and the
+    input's gradients."""
+    torch.manual_seed(0)
+    ref, x = _Teacher().to(F64), _inputs("sequential")[0]
+    whole = autojigsaw.plan(copy.deepcopy(ref), (x,), {"tensor": 1}, device="cpu").memory_per_rank
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
+                                    device="cpu", memory_budget=int(0.6 * whole))
+    grads = []
+    for model in (pmodel, ref):
+        leaf = x.clone().requires_grad_()
+        model(leaf).backward()
+        grads.append([leaf.grad] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
+                                    for n, p in model.named_parameters() if n.startswith("student")])
+    with_grad = [n for n, p in pmodel.named_parameters() if p.grad is not None]
+    return with_grad, max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
+def test_a_no_grad_block_in_the_forward_passes_no_gradient(ranks2):
+    for with_grad, diff in ranks2.run(_no_grad_block):
+        assert with_grad == [f"student.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")], with_grad
+        assert diff <= ROUNDOFF, diff
