@@ -27,9 +27,11 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     # On failure torch.export prints the partial graph to stderr: kept for logging.DEBUG instead.
     torch_stderr = io.StringIO()
     applied: set[type] = set()
+    hooked: list[str] = []
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
-              _functions_applied(applied), warnings.catch_warnings(), contextlib.redirect_stderr(torch_stderr)):
+              _functions_applied(applied), _tensor_hooks_registered(hooked), warnings.catch_warnings(),
+              contextlib.redirect_stderr(torch_stderr)):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
@@ -40,6 +42,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
         raise ValueError(_export_error(model, e)) from e
     sys.stderr.write(torch_stderr.getvalue())
     _refuse_custom_backward(model, applied)
+    _refuse_tensor_hooks(model, hooked)
     return ep
 
 
@@ -75,6 +78,35 @@ def _functions_applied(applied: set[type]):
         yield
     finally:
         torch.autograd.Function.apply = original
+
+
+@contextlib.contextmanager
+def _tensor_hooks_registered(where: list[str]):
+    """Record where the model's own code calls Tensor.register_hook while export runs it."""
+    original = torch.Tensor.register_hook
+
+    def register_hook(tensor, hook):
+        caller = sys._getframe(1)
+        if not caller.f_globals.get("__name__", "").startswith(("torch.", "autojigsaw.")):
+            where.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        return original(tensor, hook)
+
+    torch.Tensor.register_hook = register_hook
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original
+
+
+def _refuse_tensor_hooks(model: nn.Module, where: list[str]) -> None:
+    """Export keeps the forward and drops a gradient hook registered on one of its tensors (a gradient
+    reversal, a gradient scale or clip): the gradients would come back unchanged, with no error."""
+    if where:
+        raise ValueError(
+            f"{type(model).__name__}'s forward registers a gradient hook on a tensor (Tensor.register_hook at "
+            f"{where[0]}): torch.export keeps the forward and drops the hook, so the parallel model's gradients "
+            "would not pass through it. Write the change with ops whose gradient is the one you want (a gradient "
+            "times -a, a gradient reversal: (1 + a) * x.detach() - a * x)")
 
 
 def _refuse_custom_backward(model: nn.Module, applied: set[type]) -> None:
