@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.distributed.tensor import Replicate
 
-from .capture import Captured, at_sizes, capture
+from .capture import Captured, at_sizes, capture, refuse_backward_hooks
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
 from .cost_model.recompute import repeated_layers
@@ -232,6 +232,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     check_group(device_mesh, mesh)
     captured, failed = None, None
     try:
+        refuse_backward_hooks(model)  # the program's backward runs none of them
         if reuse is not None:
             symbolic = reuse.symbolic
         else:

@@ -80,6 +80,29 @@ def _functions_applied(applied: set[type]):
         torch.autograd.Function.apply = original
 
 
+def refuse_backward_hooks(model: nn.Module) -> None:
+    """The captured graph's backward calls no module backward hook, and a parameter parallelize replaces
+    keeps none of its own: a hook that changes gradients (Opacus' per-sample clipping, a gradient scale)
+    would be dropped with no error, one that reads them would never run. Refused, naming where."""
+    for name, module in model.named_modules():
+        for kind in ("_backward_hooks", "_backward_pre_hooks"):
+            if getattr(module, kind, None):
+                raise ValueError(
+                    f"module {name or type(model).__name__!r} has a backward hook ({kind.strip('_')[:-1]}): "
+                    "autojigsaw runs the model as one captured graph, whose backward calls no module's backward "
+                    "hooks, so it would be dropped. Remove it, or register it on the module parallelize returns "
+                    "(pmodel.register_full_backward_hook), which runs at every backward")
+    if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
+        raise ValueError("a global module backward hook is registered (register_module_full_backward_hook): the "
+                         "captured graph's backward calls none; remove it before parallelize")
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor) and (p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)):
+            raise ValueError(
+                f"parameter {name!r} has a gradient hook (register_hook or register_post_accumulate_grad_hook) "
+                "registered before parallelize, which replaces the parameter by its shards (a DTensor) and would "
+                "drop it: register it after parallelize, on the parameter of the module parallelize returns")
+
+
 @contextlib.contextmanager
 def _tensor_hooks_registered(where: list[str]):
     """Record where the model's own code calls Tensor.register_hook while export runs it."""
