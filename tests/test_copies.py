@@ -102,14 +102,17 @@ def _names(module: torch.nn.Module) -> tuple[list, list, list]:
     return [n for n, _ in module.named_modules()], [n for n, _ in module.named_parameters()], list(module.state_dict())
 
 
-def _trees() -> tuple[tuple, tuple]:
+def _trees() -> tuple[tuple, tuple, bool]:
     ref = _model()
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (torch.randn(4, 16, dtype=F64),),
                                     compile=False)
-    return _names(pmodel), _names(ref)
+    items = all(pmodel[i] is getattr(pmodel, str(i % 3)) for i in (0, 2, -1))
+    return _names(pmodel), _names(ref), items
 
 
 def test_the_module_tree_is_the_models(ranks2):
-    """The rewritten graph was a submodule ("_graph"): in print(pmodel), modules(), apply and hook loops."""
-    for mine, want in ranks2.run(_trees):
+    """The rewritten graph was a submodule ("_graph"): in print(pmodel), modules(), apply and hook loops.
+    An nn.Sequential root's items are indexed as on the model (pmodel[-1] was a TypeError)."""
+    for mine, want, items in ranks2.run(_trees):
         assert mine == want, (mine, want)
+        assert items

@@ -169,6 +169,10 @@ class ParallelModule(nn.Module):
         else:
             super().__setattr__(name, value)
 
+    def __getitem__(self, index):
+        """The model's item (`pmodel[0]`, `pmodel[-1]` of an nn.Sequential root): the same module, sharded."""
+        return self._model[index]
+
     def __deepcopy__(self, memo: dict) -> ParallelModule:
         """A copy with its own parameters and buffers (an EMA model: copy.deepcopy, AveragedModel) that
         runs this module's programs: they hold no weights, and a copied graph would rename its nodes.
