@@ -378,3 +378,51 @@ def test_backward_hooks_parallelize_would_drop_are_refused(ranks2):
         assert r["parameter"].startswith("parameter 'fc1.weight' has a gradient hook"), r
         assert "register it after parallelize" in r["parameter"], r
         assert r["after"] <= 1e-12, r  # the hook registered on the parallel module's parameter runs
+
+
+class _Spectral(torch.nn.Module):
+    """A Fourier neural operator's spectral convolution: a complex weight on the lowest modes."""
+
+    def __init__(self, write_into_slice: bool = True):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, 3, 3, dtype=torch.cfloat))
+        self.lift, self.write_into_slice = torch.nn.Conv2d(3, 4, 1), write_into_slice
+
+    def forward(self, x):
+        f = torch.fft.rfft2(self.lift(x))
+        low = torch.einsum("bixy,ioxy->boxy", f[:, :, :3, :3], self.w)
+        if self.write_into_slice:
+            out = torch.zeros_like(f)
+            out[:, :, :3, :3] = low
+        else:
+            out = torch.nn.functional.pad(low, (0, f.shape[-1] - 3, 0, f.shape[-2] - 3))
+        return torch.fft.irfft2(out, s=x.shape[-2:])
+
+
+SPECTRAL_X = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+
+def test_complex_write_into_a_slice_is_refused():
+    # slice_scatter has no complex autograd: a bare RuntimeError on every rank at the first forward
+    with pytest.raises(ValueError, match=r"node slice_scatter \(the model\) writes into part of a complex tensor .*"
+                                         r"torch.nn.functional.pad"):
+        autojigsaw.plan(_Spectral(), (SPECTRAL_X,), {"tensor": 2}, device="cpu")
+
+
+def _fsdp_of_mixed_dtypes() -> str:
+    torch.manual_seed(0)
+    try:
+        autojigsaw.parallelize(_Spectral(write_into_slice=False), get_mesh((2,), ("data",)), (SPECTRAL_X,),
+                               compile=False)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_fsdp_of_parameters_of_two_dtypes_is_refused(ranks2):
+    # FSDP2's own AssertionError: 'FSDP expects uniform original parameter dtype'
+    for error in ranks2.run(_fsdp_of_mixed_dtypes):
+        assert error.startswith("data_parallel='fsdp' on mesh axis 'data' shards the parameters as one group of "
+                                "one dtype, but they have dtypes ['torch.complex64', 'torch.float32'] ('w' is "
+                                "torch.complex64)"), error
+        assert "data_parallel='ddp'" in error, error

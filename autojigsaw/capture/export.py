@@ -166,6 +166,25 @@ def check_operand_dtypes(gm: GraphModule, params: dict[str, str]) -> None:
                              "(x.float()), or pass integer ids through an embedding")
 
 
+_SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default, aten.diagonal_scatter.default,
+             aten.as_strided_scatter.default)
+
+
+def check_complex_scatter(gm: GraphModule, params: dict[str, str]) -> None:
+    """A write into part of a complex tensor (`out[..., :m] = z`, as spectral convolutions write it) becomes
+    a *_scatter op, which autograd cannot differentiate in complex dtypes (eager's in-place copy can):
+    the parallel model would fail at its first step on every rank. Refused here, by node and module."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "call_function" and node.target in _SCATTERS and isinstance(val, torch.Tensor) \
+                and val.is_complex():
+            where = module_path(node, params) or "the model"
+            raise ValueError(f"node {node.name} ({where}) writes into part of a complex tensor (out[...] = z in the "
+                             f"forward), which torch.export turns into {node.target}, and autograd cannot "
+                             "differentiate that in complex dtypes. Build the tensor without writing into it: "
+                             "torch.nn.functional.pad(z, ...) or torch.cat of the pieces")
+
+
 def check_dense(args: tuple, kwargs: dict) -> None:
     """Only strided (dense) tensors can be sharded: a sparse input is refused by name."""
     for path, value in pytree.tree_flatten_with_path((tuple(args), kwargs))[0]:

@@ -20,6 +20,7 @@ def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, m
     axes = data_axes(MeshSpec.of(device_mesh))
     if not regime.fsdp or not axes or device_mesh.mesh.shape[axes[0]] == 1:
         return
+    _check_one_dtype(module, device_mesh.mesh_dim_names[axes[0]])
     kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
     with torch.inference_mode(False):  # shards made under inference_mode could never train
         fully_shard(module, mesh=device_mesh,
@@ -32,3 +33,17 @@ def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, m
         module.reshard()
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)
+
+
+def _check_one_dtype(module: torch.nn.Module, axis: str) -> None:
+    """FSDP2 shards a module's parameters as one flat group of one dtype (else a bare AssertionError)."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, p in module.named_parameters():
+        by_dtype.setdefault(p.dtype, []).append(name)
+    if len(by_dtype) > 1:
+        dtype, names = min(by_dtype.items(), key=lambda kv: len(kv[1]))
+        raise ValueError(
+            f"data_parallel='fsdp' on mesh axis {axis!r} shards the parameters as one group of one dtype, but they "
+            f"have dtypes {sorted(str(d) for d in by_dtype)} ({names[0]!r} is {dtype}). "
+            "Give every parameter one dtype (a complex weight as a real one of shape [..., 2], "
+            "torch.view_as_complex in the forward), or use data_parallel='ddp'")
