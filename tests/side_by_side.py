@@ -125,5 +125,10 @@ def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *,
     return diffs
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()

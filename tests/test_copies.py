@@ -14,6 +14,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import autojigsaw
 from autojigsaw.testing.local_ranks import get_mesh
 
+from .side_by_side import whole
+
 F64 = torch.float64
 DECAY = 0.9
 ROUNDOFF = 32 * torch.finfo(F64).eps  # values of order 1; a sharded sum rounds in another order
@@ -32,10 +34,6 @@ def _steps(model, average, x, update) -> None:
         opt.step()
         opt.zero_grad()
         update(average, model)
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _ema_side_by_side(how: str) -> dict:
@@ -61,7 +59,7 @@ def _ema_side_by_side(how: str) -> dict:
     _steps(pmodel, averaged, x, update)
     _steps(ref, ref_averaged, x, update)
     return {"averaged output": (averaged(x) - ref_averaged(x)).abs().max().item(),
-            "averaged parameters": max((_whole(a) - b).abs().max().item()
+            "averaged parameters": max((whole(a) - b).abs().max().item()
                                        for a, b in zip(averaged.parameters(), ref_averaged.parameters())),
             "trained output": (pmodel(x) - ref(x)).abs().max().item()}
 
@@ -89,7 +87,7 @@ def _fsdp_copy() -> tuple[str, float]:
     ref_ema = [p.detach().clone() for p in ref.parameters()]
     _steps(pmodel, ema, x, update)
     _steps(ref, ref_ema, x, update)
-    return error, max((_whole(a) - b).abs().max().item() for a, b in zip(ema, ref_ema))
+    return error, max((whole(a) - b).abs().max().item() for a, b in zip(ema, ref_ema))
 
 
 def test_under_fsdp_deepcopy_is_refused_and_an_average_of_the_parameters_works(ranks2):

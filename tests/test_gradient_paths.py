@@ -17,6 +17,8 @@ import torch
 import autojigsaw
 from autojigsaw.testing.local_ranks import get_mesh
 
+from .side_by_side import whole
+
 F64 = torch.float64
 ROUNDOFF = 32 * torch.finfo(F64).eps  # values of order 1; a sharded sum rounds in another order
 
@@ -46,25 +48,24 @@ def _inputs(kind: str) -> tuple:
     return (x,) if kind == "sequential" else (x, torch.randn(8, 16, dtype=F64, generator=gen))
 
 
-def _sharded(kind: str):
-    """The model, and its parallel copy on tensor=2 under 0.6 of its one-rank memory (weights split)."""
-    ref, inputs = _model(kind), _inputs(kind)
-    whole = autojigsaw.plan(copy.deepcopy(ref), inputs, {"tensor": 1}, device="cpu").memory_per_rank
+def _sharded(ref: torch.nn.Module, inputs: tuple) -> torch.nn.Module:
+    """The parallel copy of `ref` on tensor=2 under 0.6 of its one-rank memory (weights split)."""
+    one_rank = autojigsaw.plan(copy.deepcopy(ref), inputs, {"tensor": 1}, device="cpu").memory_per_rank
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False,
-                                    device="cpu", memory_budget=int(0.6 * whole))
+                                    device="cpu", memory_budget=int(0.6 * one_rank))
     assert any(not p.placements[0].is_replicate() for p in pmodel.parameters()), pmodel.plan.table()
-    return ref, pmodel, inputs
+    return pmodel
 
 
 def _input_gradients(kind: str) -> float:
     """Largest difference from one device of the inputs' gradients and the parameters' ones."""
-    ref, pmodel, inputs = _sharded(kind)
+    ref, inputs = _model(kind), _inputs(kind)
+    pmodel = _sharded(ref, inputs)
     grads = []
     for model in (pmodel, ref):
         leaves = [x.clone().requires_grad_() for x in inputs]
         model(*leaves).sin().sum().backward()
-        grads.append([x.grad for x in leaves] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
-                                                 for p in model.parameters()])
+        grads.append([x.grad for x in leaves] + [whole(p.grad) for p in model.parameters()])
     return max((a - b).abs().max().item() for a, b in zip(*grads))
 
 
@@ -75,7 +76,8 @@ def test_input_gradients_match_one_device(ranks2, kind):
 
 
 def _gradient_penalty() -> str:
-    ref, pmodel, (x,) = _sharded("sequential")
+    ref, (x,) = _model("sequential"), _inputs("sequential")
+    pmodel = _sharded(ref, (x,))
     x = x.clone().requires_grad_()
     try:  # refused at the first backward, the one that builds a graph
         (gx,) = torch.autograd.grad(pmodel(x).sum(), x, create_graph=True)
@@ -112,15 +114,12 @@ def _no_grad_block() -> tuple[list, float]:
     input's gradients."""
     torch.manual_seed(0)
     ref, x = _Teacher().to(F64), _inputs("sequential")[0]
-    whole = autojigsaw.plan(copy.deepcopy(ref), (x,), {"tensor": 1}, device="cpu").memory_per_rank
-    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
-                                    device="cpu", memory_budget=int(0.6 * whole))
+    pmodel = _sharded(ref, (x,))
     grads = []
     for model in (pmodel, ref):
         leaf = x.clone().requires_grad_()
         model(leaf).backward()
-        grads.append([leaf.grad] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
-                                    for n, p in model.named_parameters() if n.startswith("student")])
+        grads.append([leaf.grad] + [whole(p.grad) for n, p in model.named_parameters() if n.startswith("student")])
     with_grad = [n for n, p in pmodel.named_parameters() if p.grad is not None]
     return with_grad, max((a - b).abs().max().item() for a, b in zip(*grads))
 
