@@ -63,6 +63,16 @@ def tensor_inputs(node: Node) -> list[tuple[Node, int]]:
     return [(a, 0) for a in leaves if isinstance(a, Node) and _is_tensor_value(a)]
 
 
+def draws_random_numbers(node: Node) -> bool:
+    """A seeded op that draws: not one whose dropout probability is 0 or that runs in eval (attention)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    arguments = node.target._schema.arguments
+    value = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+             for i, a in enumerate(arguments)}
+    return value.get("dropout_p", 1) != 0 and value.get("p", 1) != 0 and value.get("train", True) is not False
+
+
 def _is_tensor_value(node: Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) or (

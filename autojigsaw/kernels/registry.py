@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch.fx import Node
+from torch.utils import _pytree as pytree
 
-from ..ir import KERNEL
+from ..ir import KERNEL, tensor_inputs
 from ..placements import local_offset
 from . import random
 
@@ -87,3 +89,18 @@ def _dropout(node, spec, rank, local_inputs):
 
 
 add(Kernel("dropout", _dropout))
+
+
+def _draw(node, spec, rank, local_inputs):
+    out = node.meta["val"]
+    offset = local_offset(out.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    tensors = iter(local_inputs)
+    args, kwargs = pytree.tree_map(
+        lambda a: next(tensors) if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor) else a,
+        (tuple(node.args), dict(node.kwargs)))
+    strides = tuple(tuple(src.meta["val"].stride()) for src, _ in tensor_inputs(node))
+    return random.draw, (node.target, args, kwargs), {"shape": tuple(out.shape), "offset": offset,
+                                                      "strides": strides}
+
+
+add(Kernel("draw", _draw))

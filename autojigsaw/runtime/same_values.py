@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from ..capture import Captured
+from ..ir import draws_random_numbers
 from .init import recorded_draws
 
 SEED = "seed every rank alike (torch.manual_seed(0)) before building the model, or load the same weights"
@@ -87,17 +88,7 @@ def random_state() -> torch.Tensor:
 
 def draws_random(gm: GraphModule) -> bool:
     """Whether the graph has an op that draws from the default generator (dropout, rand, ...)."""
-    return any(_draws(n) for n in gm.graph.nodes)
-
-
-def _draws(node) -> bool:
-    """A seeded op that draws: not one whose dropout probability is 0 or that runs in eval (attention)."""
-    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    arguments = node.target._schema.arguments
-    value = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
-             for i, a in enumerate(arguments)}
-    return value.get("dropout_p", 1) != 0 and value.get("p", 1) != 0 and value.get("train", True) is not False
+    return any(draws_random_numbers(n) for n in gm.graph.nodes)
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:

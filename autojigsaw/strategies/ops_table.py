@@ -108,6 +108,8 @@ def table() -> str:
         "Every node of the captured ATen graph gets its strategies from autojigsaw's own rule for its op",
         "(first), else from DTensor's, else it runs replicated: the whole tensor on every rank, marked",
         "`fallback` in the plan table -- slower, never wrong. The planner picks among the strategies.",
+        "An op that draws random numbers (tag `nondeterministic_seeded`) and has no rule of its own takes",
+        "`random_draws.draws` while it draws, before DTensor's (which would give every shard the same numbers).",
         "",
         f"## Sharded by autojigsaw's rules ({len(own)} ops)",
         "",

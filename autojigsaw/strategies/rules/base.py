@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Shard
 from torch.fx import Node
 
-from ...ir import Strategy
+from ...ir import Strategy, draws_random_numbers
 from ...mesh import MeshSpec
 from ...placements import Placement, Placements, format_placements
 
 _RULES: dict[object, Callable] = {}
+DRAWS = "any other op that draws random numbers"  # the key of the rule for seeded ops with no rule of their own
 
 
 def register(*ops):
@@ -36,6 +37,8 @@ def register(*ops):
 def strategies_for(node: Node, mesh: MeshSpec, candidates: Sequence[Sequence[Placements]]):
     """The node's strategies by autojigsaw's rule, or None when it has no rule for the op."""
     rule = _RULES.get(node.target) or _RULES.get(str(node.target))
+    if rule is None and draws_random_numbers(node):
+        rule = _RULES[DRAWS]
     return None if rule is None else rule(node, mesh, candidates)
 
 

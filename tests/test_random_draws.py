@@ -1,0 +1,109 @@
+"""Random numbers drawn in the forward (a diffusion model's noise, a VAE's sample) are the
+single-device model's, shard by shard.
+
+Every rank's generator is seeded alike, so drawing on each shard gave every shard the same
+numbers: the noise of a data-sharded batch was the first half's twice (loss 1.0701 against
+1.1200 on one device, no error). Elementwise draws now take the whole draw's slice; other
+seeded ops (a gamma sample, whose gradient flows) run whole, as they did before.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import autojigsaw
+from autojigsaw.kernels import random
+from autojigsaw.testing.local_ranks import get_mesh
+
+from .side_by_side import whole
+
+F64 = torch.float64
+ROUNDOFF = 64 * torch.finfo(F64).eps  # values of order 1; a sharded sum rounds in another order
+
+_DRAWS = {
+    "randn_like": torch.randn_like,
+    "rand_like": torch.rand_like,
+    "normal_": lambda x: torch.empty_like(x).normal_(),
+    "bernoulli": lambda x: torch.bernoulli(torch.sigmoid(x)),
+}
+
+
+class Denoiser(torch.nn.Module):
+    """Noise a clean sample, predict the noise back: a diffusion training step's loss."""
+
+    def __init__(self, draw: str):
+        super().__init__()
+        self.draw = draw
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+
+    def forward(self, x):
+        if self.draw == "gamma":  # reparameterized: the gradient flows through the sample
+            noise = torch.distributions.Gamma(torch.nn.functional.softplus(x) + 1, 1.0, validate_args=False).rsample()
+        else:
+            noise = _DRAWS[self.draw](x)
+        return (self.net(x + noise) - noise).square().mean()
+
+
+def _side_by_side(draw: str, shape: tuple, axes: tuple) -> dict:
+    """Largest differences from one device over two SGD steps (loss, gradients, weights) and the
+    kernel and output placements of the node that draws."""
+    torch.manual_seed(0)
+    ref = Denoiser(draw).to(F64)
+    x = torch.randn(8, 64, 16, dtype=F64, generator=torch.Generator().manual_seed(1))
+    # Too little memory for a whole sample: it shards on every axis, and so does the noise.
+    budget = int(0.6 / len(axes) * autojigsaw.plan(copy.deepcopy(ref), (x,), {"data": 1}, device="cpu").memory_per_rank)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh(shape, axes), (x,), compile=False,
+                                    memory_budget=budget)
+    drawn = [n for n in pmodel.plan.nodes if n.op in (
+        "aten.randn_like", "aten.rand_like", "aten.normal_functional", "aten.bernoulli", "aten._standard_gamma")]
+    diffs = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref)]
+    for _ in range(2):
+        losses = []
+        for m in (pmodel, ref):
+            torch.manual_seed(123)
+            losses.append(whole(m(x)))
+            losses[-1].backward()
+        diffs["loss"] = max(diffs["loss"], (losses[0] - losses[1]).abs().item())
+        for p, q in zip(pmodel.parameters(), ref.parameters()):
+            diffs["grad"] = max(diffs["grad"], (whole(p.grad) - q.grad).abs().max().item())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(pmodel.parameters(), ref.parameters()):
+        diffs["weight"] = max(diffs["weight"], (whole(p.detach()) - q.detach()).abs().max().item())
+    return {"diffs": diffs, "drawn": [(n.kernel, n.outputs[0]) for n in drawn]}
+
+
+@pytest.mark.parametrize("draw", sorted(_DRAWS))
+def test_elementwise_draws_shard_like_one_device(ranks2, draw):
+    """Noise drawn like the batch-sharded sample: each rank's slice of the single-device draw."""
+    result = ranks2.run(_side_by_side, draw, (2,), ("data",), timeout=300)[0]
+    assert result["drawn"] and all(k == "draw" and not pl[0].is_replicate() for k, pl in result["drawn"]), result
+    assert max(result["diffs"].values()) <= ROUNDOFF, result
+
+
+def test_draws_on_two_axes(ranks4):
+    """The sample sharded on data and sequence (a domain axis): each rank draws its 2-D block."""
+    result = ranks4.run(_side_by_side, "randn_like", (2, 2), ("data", "domain"), timeout=300)[0]
+    assert result["drawn"] and all(k == "draw" and not any(p.is_replicate() for p in pl)
+                                   for k, pl in result["drawn"]), result
+    assert max(result["diffs"].values()) <= ROUNDOFF, result
+
+
+def test_gamma_sample_runs_whole(ranks2):
+    """A draw with a gradient (a reparameterized gamma) stays whole on every rank, and trains exactly."""
+    result = ranks2.run(_side_by_side, "gamma", (2,), ("data",), timeout=300)[0]
+    assert result["drawn"] and all(pl[0].is_replicate() for _, pl in result["drawn"]), result
+    assert max(result["diffs"].values()) <= ROUNDOFF, result
+
+
+def test_shards_keep_no_whole_tensor():
+    """A kept shard (dropout's mask, a draw) owns its storage: a view would hold the whole tensor."""
+    x = torch.randn(2, 1000)
+    out, mask = random.dropout(x, 0.5, True, shape=(4, 1000), offset=(2, 0))
+    noise = random.draw(torch.ops.aten.randn_like.default, (x,), {}, shape=(4, 1000), offset=(2, 0),
+                        strides=((1000, 1),))
+    for kept in (mask, noise):
+        assert kept.shape == x.shape and kept.untyped_storage().nbytes() == kept.nbytes
