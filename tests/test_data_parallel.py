@@ -143,3 +143,43 @@ def test_parameters_read_only_by_parameters_get_their_gradient_once(ranks2, data
     for r in ranks2.run(_patch_embed_step, plan.to_json(), data_parallel):
         assert all(err is not None and err <= 16 * 2.0**-52 for err in r["grads"].values()), r
         assert r["param"] <= 16 * 2.0**-52, r
+
+
+class _ReturnsItsEmbedding(nn.Module):
+    """A model that returns a weight beside its output (an embedding for a tied loss outside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(32, 16), nn.Linear(16, 16)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids)), self.emb.weight, self.fc.weight.t()
+
+
+def _returned_weights_step() -> dict:
+    """Largest differences from one device over two Adam steps of a loss on the returned weights."""
+    torch.manual_seed(0)
+    ref = _ReturnsItsEmbedding().to(torch.float64)
+    ids = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(1))
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("data",)), (ids,), compile=False)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (pmodel, ref)]
+    diffs = {"loss": 0.0, "grad": 0.0}
+    for _ in range(2):
+        losses = [out.square().mean() + 0.01 * (emb.square().sum() + fc_t.sum(0).square().sum())
+                  for out, emb, fc_t in (m(ids) for m in (pmodel, ref))]
+        for loss in losses:
+            loss.backward()
+        diffs["loss"] = max(diffs["loss"], (losses[0] - losses[1]).abs().item())
+        diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
+                                             for p, q in zip(pmodel.parameters(), ref.parameters())))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {**diffs, "data_parallel": pmodel.plan.data_parallel}
+
+
+def test_returned_weights_outlive_fsdp_resharding(ranks2):
+    """FSDP frees a gathered weight after the forward: an output that was that weight read freed
+    memory (a segfault at the first use) until the rewrite copied it."""
+    result = ranks2.run(_returned_weights_step, timeout=300)[0]
+    assert result["data_parallel"] == "fsdp" and max(result["loss"], result["grad"]) <= 1e-14, result

@@ -64,6 +64,8 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         elif node.op == "output":
             values = [_moved(env, moved, graph, src, i, pl, rank, node.name)
                       for (src, i), pl in zip(tensor_inputs(node), spec.inputs)]
+            if plan.data_parallel == "fsdp":
+                values = [_own_storage(graph, v, set(captured.params)) for v in values]
             outputs = iter(values)
             flat = [next(outputs) if isinstance(a, Node) and src_is_tensor(a)
                     else env.get(a, a) if isinstance(a, Node) else a for a in node.args[0]]
@@ -100,6 +102,19 @@ def _check_matches(captured: Captured, by_name) -> None:
                 f"node {node.name!r} has shape {tuple(outs[0].shape)} but the plan expects "
                 f"{tuple(spec.shape)}: plan again for these input shapes"
             )
+
+
+def _own_storage(graph: Graph, value: Node, params: set[str]) -> Node:
+    """`value`, copied if it is a parameter or a view of one (a model that returns its embedding):
+    FSDP frees a gathered parameter after the forward, and the output would read freed memory."""
+    source = value
+    while source.op == "call_function" and getattr(source.target, "is_view", False):
+        source = source.args[0]
+    if not (source.op == "placeholder" and source.name in params):
+        return value
+    copy = graph.call_function(torch.ops.aten.clone.default, (value,))
+    copy.meta.update({k: value.meta[k] for k in (PLACEMENTS, ORIGIN, GLOBAL) if k in value.meta})
+    return copy
 
 
 def _annotate(new: Node, old: Node, placements, origin: str) -> None:
