@@ -40,8 +40,8 @@ class Denoiser(torch.nn.Module):
     def forward(self, x):
         if self.draw == "gamma":  # reparameterized: the gradient flows through the sample
             noise = torch.distributions.Gamma(torch.nn.functional.softplus(x) + 1, 1.0, validate_args=False).rsample()
-        else:
-            noise = _DRAWS[self.draw](x)
+        else:  # every elementwise draw, each on its own share of the noise
+            noise = sum(draw(x) * (i + 1) for i, draw in enumerate(_DRAWS.values()))
         return (self.net(x + noise) - noise).square().mean()
 
 
@@ -76,19 +76,14 @@ def _side_by_side(draw: str, shape: tuple, axes: tuple) -> dict:
     return {"diffs": diffs, "drawn": [(n.kernel, n.outputs[0]) for n in drawn]}
 
 
-@pytest.mark.parametrize("draw", sorted(_DRAWS))
-def test_elementwise_draws_shard_like_one_device(ranks2, draw):
-    """Noise drawn like the batch-sharded sample: each rank's slice of the single-device draw."""
-    result = ranks2.run(_side_by_side, draw, (2,), ("data",), timeout=300)[0]
-    assert result["drawn"] and all(k == "draw" and not pl[0].is_replicate() for k, pl in result["drawn"]), result
-    assert max(result["diffs"].values()) <= ROUNDOFF, result
-
-
-def test_draws_on_two_axes(ranks4):
-    """The sample sharded on data and sequence (a domain axis): each rank draws its 2-D block."""
-    result = ranks4.run(_side_by_side, "randn_like", (2, 2), ("data", "domain"), timeout=300)[0]
-    assert result["drawn"] and all(k == "draw" and not any(p.is_replicate() for p in pl)
-                                   for k, pl in result["drawn"]), result
+@pytest.mark.parametrize("shape, axes", [((2,), ("data",)), ((2, 2), ("data", "domain"))], ids=["data", "2x2"])
+def test_elementwise_draws_shard_like_one_device(ranks2, ranks4, shape, axes):
+    """Noise drawn like the sharded sample (batch; batch and sequence): each rank's slice, or 2-D
+    block, of the single-device draw."""
+    ranks = ranks2 if len(shape) == 1 else ranks4
+    result = ranks.run(_side_by_side, "elementwise", shape, axes, timeout=300)[0]
+    assert len(result["drawn"]) == len(_DRAWS), result
+    assert all(k == "draw" and not any(p.is_replicate() for p in pl) for k, pl in result["drawn"]), result
     assert max(result["diffs"].values()) <= ROUNDOFF, result
 
 
