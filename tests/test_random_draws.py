@@ -3,8 +3,8 @@ single-device model's, shard by shard.
 
 Every rank's generator is seeded alike, so drawing on each shard gave every shard the same
 numbers: the noise of a data-sharded batch was the first half's twice (loss 1.0701 against
-1.1200 on one device, no error). Elementwise draws now take the whole draw's slice; other
-seeded ops (a gamma sample, whose gradient flows) run whole, as they did before.
+1.1200 on one device, no error). Elementwise draws now take the whole draw's slice; draws whose
+count depends on the values (gamma, Poisson) run whole.
 """
 
 import copy
@@ -38,8 +38,9 @@ class Denoiser(torch.nn.Module):
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
 
     def forward(self, x):
-        if self.draw == "gamma":  # reparameterized: the gradient flows through the sample
-            noise = torch.distributions.Gamma(torch.nn.functional.softplus(x) + 1, 1.0, validate_args=False).rsample()
+        if self.draw == "by value":  # rejection samplers: how many numbers they draw depends on the value
+            rate = torch.nn.functional.softplus(x) + 1  # a gamma sample (reparameterized: a gradient flows)
+            noise = torch.distributions.Gamma(rate, 1.0, validate_args=False).rsample() + torch.poisson(rate)
         else:  # every elementwise draw, each on its own share of the noise
             noise = sum(draw(x) * (i + 1) for i, draw in enumerate(_DRAWS.values()))
         return (self.net(x + noise) - noise).square().mean()
@@ -56,7 +57,8 @@ def _side_by_side(draw: str, shape: tuple, axes: tuple) -> dict:
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh(shape, axes), (x,), compile=False,
                                     memory_budget=budget)
     drawn = [n for n in pmodel.plan.nodes if n.op in (
-        "aten.randn_like", "aten.rand_like", "aten.normal_functional", "aten.bernoulli", "aten._standard_gamma")]
+        "aten.randn_like", "aten.rand_like", "aten.normal_functional", "aten.bernoulli", "aten._standard_gamma",
+        "aten.poisson")]
     diffs = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref)]
     for _ in range(2):
@@ -87,10 +89,11 @@ def test_elementwise_draws_shard_like_one_device(ranks2, ranks4, shape, axes):
     assert max(result["diffs"].values()) <= ROUNDOFF, result
 
 
-def test_gamma_sample_runs_whole(ranks2):
-    """A draw with a gradient (a reparameterized gamma) stays whole on every rank, and trains exactly."""
-    result = ranks2.run(_side_by_side, "gamma", (2,), ("data",), timeout=300)[0]
-    assert result["drawn"] and all(pl[0].is_replicate() for _, pl in result["drawn"]), result
+def test_draws_that_depend_on_values_run_whole(ranks2):
+    """Gamma and Poisson samples draw more numbers for some values than for others: a whole draw
+    around one shard's values is not one device's draw, so they stay whole on every rank."""
+    result = ranks2.run(_side_by_side, "by value", (2,), ("data",), timeout=300)[0]
+    assert len(result["drawn"]) == 2 and all(pl[0].is_replicate() for _, pl in result["drawn"]), result
     assert max(result["diffs"].values()) <= ROUNDOFF, result
 
 

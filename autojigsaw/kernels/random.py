@@ -11,10 +11,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
-# Draws whose numbers depend on their tensors' values (a probability, a rate, a mean); the others
-# read only the shape (randn_like, normal_, ...), so their whole tensor need not be filled.
-_READ_VALUES = {aten.bernoulli.default, aten.bernoulli.Tensor, aten.poisson.default,
-                aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor}
+# Draws whose numbers depend on their tensors' values (a probability, a mean); the others read
+# only the shape (randn_like, normal_, ...), so their whole tensor need not be filled.
+_READ_VALUES = {aten.bernoulli.default, aten.bernoulli.Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor,
+                aten.normal.Tensor_Tensor}
 
 
 def dropout(x: torch.Tensor, p: float, train: bool | None, *, shape: tuple[int, ...],

@@ -17,12 +17,14 @@ from .base import DRAWS, AxisOption, per_axis, register
 
 aten = torch.ops.aten
 
-# Elementwise in every tensor input, and no gradient reaches those inputs (derivatives.yaml).
+# Elementwise in every tensor input, as many numbers drawn per element whatever its value, and no
+# gradient reaches those inputs (derivatives.yaml). Not poisson or a gamma sample: their rejection
+# samplers draw more or fewer numbers by value, so a whole draw around one shard is not one device's.
 _DRAWN_ELEMENTWISE = {
     aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor, aten.cauchy.default,
     aten.exponential.default, aten.geometric.default, aten.log_normal.default,
     aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor,
-    aten.normal_functional.default, aten.poisson.default, aten.rand_like.default,
+    aten.normal_functional.default, aten.rand_like.default,
     aten.randint_like.default, aten.randint_like.low_dtype, aten.randint_like.Tensor,
     aten.randn_like.default, aten.random.default, getattr(aten.random, "from"), aten.random.to,
     aten.uniform.default,
