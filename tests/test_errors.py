@@ -420,3 +420,25 @@ def test_fsdp_of_parameters_of_two_dtypes_is_refused(ranks2):
                                 "one dtype, but they have dtypes ['torch.complex64', 'torch.float32'] ('w' is "
                                 "torch.complex64)"), error
         assert "data_parallel='ddp'" in error, error
+
+
+def _feature_model(hook) -> torch.nn.Module:
+    """A two-layer MLP whose hidden layer runs `hook` (None: none), its second layer weight-normed the
+    old way (torch.nn.utils.weight_norm: a forward pre-hook of torch's that computes the weight)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.utils.weight_norm(torch.nn.Linear(32, 16)))
+    if hook is not None:
+        model[1].register_forward_hook(hook)
+    return model
+
+
+def test_forward_hook_that_collects_is_refused():
+    # a feature-collecting hook ran once, at capture, and appended a FakeTensor; then never again
+    feats = []
+    with pytest.raises(ValueError, match=r"module '1' has a forward hook \(.*<lambda>\) that returns nothing: .*"
+                                         r"register it on the module parallelize returns") as e:
+        autojigsaw.plan(_feature_model(lambda m, i, o: feats.append(o)), (X,), {"tensor": 2}, device="cpu")
+    assert "a hook that changes the output must return it" in str(e.value)
+    # hooks that return what they change, and torch's weight_norm pre-hook, are captured into the graph
+    autojigsaw.plan(_feature_model(lambda m, i, o: o * 0.5), (X,), {"tensor": 2}, device="cpu")

@@ -28,9 +28,11 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     torch_stderr = io.StringIO()
     applied: set[type] = set()
     hooked: list[str] = []
+    silent: list[str] = []
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
-              _functions_applied(applied), _tensor_hooks_registered(hooked), warnings.catch_warnings(),
+              _functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
+              warnings.catch_warnings(),
               contextlib.redirect_stderr(torch_stderr)):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
@@ -43,6 +45,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     sys.stderr.write(torch_stderr.getvalue())
     _refuse_custom_backward(model, applied)
     _refuse_tensor_hooks(model, hooked)
+    _refuse_silent_forward_hooks(silent)
     return ep
 
 
@@ -119,6 +122,58 @@ def _tensor_hooks_registered(where: list[str]):
         yield
     finally:
         torch.Tensor.register_hook = original
+
+
+@contextlib.contextmanager
+def _silent_forward_hooks(model: nn.Module, silent: list[str]):
+    """Record the forward (pre-)hooks of the model's modules that return nothing while export runs them:
+    what they do besides (collect features, statistics) happens once, on stand-in tensors."""
+    saved = []
+    for name, module in model.named_modules():
+        for kind in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(module, kind)
+            for key, hook in list(hooks.items()):
+                if _defined_in_torch(hook):
+                    continue
+                saved.append((hooks, key, hook))
+                hooks[key] = _recording(hook, f"{name or type(model).__name__}.{kind.strip('_')[:-1]}", silent)
+    try:
+        yield
+    finally:
+        for hooks, key, hook in saved:
+            hooks[key] = hook
+
+
+def _defined_in_torch(hook) -> bool:
+    """A hook of torch's own: FSDP's (they return what they change), weight_norm's and spectral_norm's
+    (they compute the weight the forward reads, which the graph keeps)."""
+    fn = getattr(hook, "func", hook)  # a functools.partial
+    return getattr(fn, "__module__", "").startswith(("torch.", "autojigsaw."))
+
+
+def _recording(hook, where: str, silent: list[str]):
+    def run(*args, **kwargs):
+        result = hook(*args, **kwargs)
+        if result is None:
+            silent.append(f"{where} {getattr(hook, '__qualname__', type(hook).__name__)}")
+        return result
+
+    return run
+
+
+def _refuse_silent_forward_hooks(silent: list[str]) -> None:
+    """A forward hook that returns nothing acts by side effect (it appends features to a list, logs a
+    statistic): it ran once, on export's stand-in tensors, and the captured graph never calls it."""
+    if silent:
+        where, name = silent[0].split(" ", 1)
+        module, kind = where.rsplit(".", 1)
+        raise ValueError(
+            f"module {module!r} has a {kind.replace('_', ' ')} ({name}) that returns nothing: autojigsaw runs the "
+            "model as one captured graph, so the hook ran once, on stand-in tensors while the model was captured, "
+            "and never runs again (a list it fills would hold stand-ins, then nothing). Return what it collects "
+            "from the model's forward, or register it on the module parallelize returns "
+            "(pmodel.register_forward_hook), which runs at every call with whole outputs; a hook that changes "
+            "the output must return it")
 
 
 def _refuse_tensor_hooks(model: nn.Module, where: list[str]) -> None:

@@ -54,6 +54,10 @@ PATTERNS = (
     Pattern("a module backward hook (Opacus, a gradient scale), or a parameter hook registered before parallelize",
             "ValueError naming the module or parameter; a hook on pmodel or on its parameters runs",
             "tests/test_errors.py::test_backward_hooks_parallelize_would_drop_are_refused"),
+    Pattern("a module forward hook that returns nothing (it collects features or statistics)",
+            "ValueError naming the module: it would run once, at capture; a hook on pmodel, or one that returns "
+            "the output it changes, runs",
+            "tests/test_errors.py::test_forward_hook_that_collects_is_refused"),
     Pattern("a gradient of a gradient (`create_graph=True`: a gradient penalty)",
             "ValueError naming the kernel and mesh axis: the kernels are differentiable once",
             "tests/test_gradient_paths.py::test_a_gradient_of_a_gradient_is_refused"),
