@@ -442,3 +442,30 @@ def test_forward_hook_that_collects_is_refused():
     assert "a hook that changes the output must return it" in str(e.value)
     # hooks that return what they change, and torch's weight_norm pre-hook, are captured into the graph
     autojigsaw.plan(_feature_model(lambda m, i, o: o * 0.5), (X,), {"tensor": 2}, device="cpu")
+
+
+class _KeepsAuxLoss(torch.nn.Module):
+    """A mixture-of-experts idiom: the forward keeps its auxiliary loss on the module (`kind` "attribute")
+    or counts its calls in a buffer updated in place ("buffer", which export captures)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.fc = kind, torch.nn.Linear(16, 16)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == "attribute":
+            self.aux_loss = h.square().mean()
+        else:
+            self.calls += 1
+        return h
+
+
+def test_attribute_set_in_the_forward_is_refused():
+    # the attribute held a tracing leftover: a bare SymFloat TypeError, then "backward through the graph a
+    # second time" at every step; a counter kept as a Python int stood still at 0
+    with pytest.raises(ValueError, match=r"module '_KeepsAuxLoss' sets its attribute 'aux_loss' in its forward "
+                                         r"\(.*test_errors.py:\d+\): .*Return the value from the forward"):
+        autojigsaw.plan(_KeepsAuxLoss("attribute"), (X,), {"tensor": 2}, device="cpu")
+    autojigsaw.plan(_KeepsAuxLoss("buffer"), (X,), {"tensor": 2}, device="cpu")

@@ -29,10 +29,11 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     applied: set[type] = set()
     hooked: list[str] = []
     silent: list[str] = []
+    written: list[str] = []
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               _functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
-              warnings.catch_warnings(),
+              _attributes_written(model, written), warnings.catch_warnings(),
               contextlib.redirect_stderr(torch_stderr)):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
@@ -46,6 +47,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     _refuse_custom_backward(model, applied)
     _refuse_tensor_hooks(model, hooked)
     _refuse_silent_forward_hooks(silent)
+    _refuse_attribute_writes(written)
     return ep
 
 
@@ -174,6 +176,40 @@ def _refuse_silent_forward_hooks(silent: list[str]) -> None:
             "from the model's forward, or register it on the module parallelize returns "
             "(pmodel.register_forward_hook), which runs at every call with whole outputs; a hook that changes "
             "the output must return it")
+
+
+@contextlib.contextmanager
+def _attributes_written(model: nn.Module, written: list[str]):
+    """Record the attributes the model's own forward sets on its modules while export runs it (an
+    auxiliary loss kept as `self.aux_loss`, a call counter); a buffer updated in place is not one."""
+    names = {id(m): name for name, m in model.named_modules()}
+    original = nn.Module.__setattr__
+
+    def setattr_(module, attr, value):
+        caller = sys._getframe(1)
+        if (id(module) in names and attr not in module._buffers and module.__dict__.get(attr, None) is not value
+                and not caller.f_globals.get("__name__", "").startswith(("torch.", "autojigsaw."))):
+            written.append(f"{names[id(module)] or type(model).__name__} {attr} "
+                           f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        original(module, attr, value)
+
+    nn.Module.__setattr__ = setattr_
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = original
+
+
+def _refuse_attribute_writes(written: list[str]) -> None:
+    """What the forward keeps on a module besides its outputs and buffers is set once, at capture,
+    from stand-in tensors: an auxiliary loss read later is a tracing leftover, a counter stands still."""
+    if written:
+        module, attr, where = written[0].split(" ", 2)
+        raise ValueError(
+            f"module {module!r} sets its attribute {attr!r} in its forward ({where}): autojigsaw runs the model as "
+            "one captured graph, so that line ran once, on stand-in tensors while the model was captured, and never "
+            "runs again. Return the value from the forward (an auxiliary loss: add it to the output or return it "
+            "beside it), or keep it in a registered buffer updated in place (self.calls.add_(1))")
 
 
 def _refuse_tensor_hooks(model: nn.Module, where: list[str]) -> None:

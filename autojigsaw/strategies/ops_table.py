@@ -58,6 +58,10 @@ PATTERNS = (
             "ValueError naming the module: it would run once, at capture; a hook on pmodel, or one that returns "
             "the output it changes, runs",
             "tests/test_errors.py::test_forward_hook_that_collects_is_refused"),
+    Pattern("a forward that sets an attribute on its module (`self.aux_loss = ...`, a call counter)",
+            "ValueError naming the module, attribute and line: it would be set once, at capture; return it, or "
+            "keep it in a buffer updated in place",
+            "tests/test_errors.py::test_attribute_set_in_the_forward_is_refused"),
     Pattern("a gradient of a gradient (`create_graph=True`: a gradient penalty)",
             "ValueError naming the kernel and mesh axis: the kernels are differentiable once",
             "tests/test_gradient_paths.py::test_a_gradient_of_a_gradient_is_refused"),
