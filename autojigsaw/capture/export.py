@@ -108,6 +108,11 @@ def refuse_backward_hooks(model: nn.Module) -> None:
                 "drop it: register it after parallelize, on the parameter of the module parallelize returns")
 
 
+def _ours(module_name: str) -> bool:
+    """Code of torch or autojigsaw, not the model's own."""
+    return module_name.startswith(("torch.", "autojigsaw."))
+
+
 @contextlib.contextmanager
 def _tensor_hooks_registered(where: list[str]):
     """Record where the model's own code calls Tensor.register_hook while export runs it."""
@@ -115,7 +120,7 @@ def _tensor_hooks_registered(where: list[str]):
 
     def register_hook(tensor, hook):
         caller = sys._getframe(1)
-        if not caller.f_globals.get("__name__", "").startswith(("torch.", "autojigsaw.")):
+        if not _ours(caller.f_globals.get("__name__", "")):
             where.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
         return original(tensor, hook)
 
@@ -150,7 +155,7 @@ def _defined_in_torch(hook) -> bool:
     """A hook of torch's own: FSDP's (they return what they change), weight_norm's and spectral_norm's
     (they compute the weight the forward reads, which the graph keeps)."""
     fn = getattr(hook, "func", hook)  # a functools.partial
-    return getattr(fn, "__module__", "").startswith(("torch.", "autojigsaw."))
+    return _ours(getattr(fn, "__module__", ""))
 
 
 def _recording(hook, where: str, silent: list[str]):
@@ -188,7 +193,7 @@ def _attributes_written(model: nn.Module, written: list[str]):
     def setattr_(module, attr, value):
         caller = sys._getframe(1)
         if (id(module) in names and attr not in module._buffers and module.__dict__.get(attr, None) is not value
-                and not caller.f_globals.get("__name__", "").startswith(("torch.", "autojigsaw."))):
+                and not _ours(caller.f_globals.get("__name__", ""))):
             written.append(f"{names[id(module)] or type(model).__name__} {attr} "
                            f"{caller.f_code.co_filename}:{caller.f_lineno}")
         original(module, attr, value)
@@ -228,7 +233,7 @@ def _refuse_custom_backward(model: nn.Module, applied: set[type]) -> None:
     the forward ops' (a straight-through round's would be 0, a gradient reversal's the wrong sign),
     with no error. Refused by name, with the rewrite that keeps the gradient; torch's own pass."""
     custom = sorted(f"{c.__module__}.{c.__qualname__}" for c in applied
-                    if not c.__module__.startswith(("torch.", "autojigsaw.")))
+                    if not _ours(c.__module__))
     if custom:
         raise ValueError(
             f"{type(model).__name__} applies the custom autograd.Function {custom[0]}"
