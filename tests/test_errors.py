@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 import autojigsaw
 from autojigsaw.testing.local_ranks import get_mesh
 
+from .hf_models import hf_model
 from .models import MLP, build
 
 X = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))  # the same on every rank
@@ -440,8 +441,12 @@ def test_forward_hook_that_collects_is_refused():
                                          r"register it on the module parallelize returns") as e:
         autojigsaw.plan(_feature_model(lambda m, i, o: feats.append(o)), (X,), {"tensor": 2}, device="cpu")
     assert "a hook that changes the output must return it" in str(e.value)
-    # hooks that return what they change, and torch's weight_norm pre-hook, are captured into the graph
+    # hooks that return what they change, torch's weight_norm pre-hook and Hugging Face's gradient
+    # checkpointing hook (it marks the embeddings' output as requiring grad) are captured into the graph
     autojigsaw.plan(_feature_model(lambda m, i, o: o * 0.5), (X,), {"tensor": 2}, device="cpu")
+    model, inputs = hf_model("gpt2")
+    model.gradient_checkpointing_enable()
+    autojigsaw.plan(model.train(), inputs, {"tensor": 2}, device="cpu")
 
 
 class _KeepsAuxLoss(torch.nn.Module):

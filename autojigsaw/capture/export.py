@@ -140,7 +140,7 @@ def _silent_forward_hooks(model: nn.Module, silent: list[str]):
         for kind in ("_forward_pre_hooks", "_forward_hooks"):
             hooks = getattr(module, kind)
             for key, hook in list(hooks.items()):
-                if _defined_in_torch(hook):
+                if _library_hook(hook):
                     continue
                 saved.append((hooks, key, hook))
                 hooks[key] = _recording(hook, f"{name or type(model).__name__}.{kind.strip('_')[:-1]}", silent)
@@ -151,11 +151,12 @@ def _silent_forward_hooks(model: nn.Module, silent: list[str]):
             hooks[key] = hook
 
 
-def _defined_in_torch(hook) -> bool:
-    """A hook of torch's own: FSDP's (they return what they change), weight_norm's and spectral_norm's
-    (they compute the weight the forward reads, which the graph keeps)."""
+def _library_hook(hook) -> bool:
+    """A hook of torch's own (FSDP's return what they change; weight_norm's and spectral_norm's compute
+    the weight the forward reads) or of Hugging Face's (gradient checkpointing marks the embeddings'
+    output as requiring grad): written for graphs, their work is in the captured one."""
     fn = getattr(hook, "func", hook)  # a functools.partial
-    return _ours(getattr(fn, "__module__", ""))
+    return _ours(getattr(fn, "__module__", "")) or getattr(fn, "__module__", "").startswith("transformers.")
 
 
 def _recording(hook, where: str, silent: list[str]):
