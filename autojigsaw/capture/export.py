@@ -154,9 +154,14 @@ def _silent_forward_hooks(model: nn.Module, silent: list[str]):
 def _library_hook(hook) -> bool:
     """A hook of torch's own (FSDP's return what they change; weight_norm's and spectral_norm's compute
     the weight the forward reads) or of Hugging Face's (gradient checkpointing marks the embeddings'
-    output as requiring grad): written for graphs, their work is in the captured one."""
+    output as requiring grad)."""
     fn = getattr(hook, "func", hook)  # a functools.partial
-    return _ours(getattr(fn, "__module__", "")) or getattr(fn, "__module__", "").startswith("transformers.")
+    return _library(getattr(fn, "__module__", ""))
+
+
+def _library(module_name: str) -> bool:
+    """Code of torch, autojigsaw or transformers: written for graphs, what it does is in the captured one."""
+    return _ours(module_name) or module_name.startswith("transformers.")
 
 
 def _recording(hook, where: str, silent: list[str]):
@@ -194,7 +199,7 @@ def _attributes_written(model: nn.Module, written: list[str]):
     def setattr_(module, attr, value):
         caller = sys._getframe(1)
         if (id(module) in names and attr not in module._buffers and module.__dict__.get(attr, None) is not value
-                and not _ours(caller.f_globals.get("__name__", ""))):
+                and not _library(caller.f_globals.get("__name__", ""))):
             written.append(f"{names[id(module)] or type(model).__name__} {attr} "
                            f"{caller.f_code.co_filename}:{caller.f_lineno}")
         original(module, attr, value)
