@@ -63,6 +63,16 @@ def tensor_inputs(node: Node) -> list[tuple[Node, int]]:
     return [(a, 0) for a in leaves if isinstance(a, Node) and _is_tensor_value(a)]
 
 
+def with_local_tensors(args, kwargs: dict, tensors) -> tuple[tuple, dict]:
+    """(args, kwargs) of a node with its tensor inputs replaced by `tensors`, in order (its local shards)."""
+    tensors = iter(tensors)
+
+    def local(arg):
+        return next(tensors) if isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor) else arg
+
+    return pytree.tree_map(local, (tuple(args), dict(kwargs)))
+
+
 def draws_random_numbers(node: Node) -> bool:
     """A seeded op that draws: not one whose dropout probability is 0 or that runs in eval (attention)."""
     if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):

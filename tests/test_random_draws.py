@@ -48,7 +48,7 @@ class Denoiser(torch.nn.Module):
 
 def _side_by_side(draw: str, shape: tuple, axes: tuple) -> dict:
     """Largest differences from one device over two SGD steps (loss, gradients, weights) and the
-    kernel and output placements of the node that draws."""
+    kernel and output placements of the nodes that draw."""
     torch.manual_seed(0)
     ref = Denoiser(draw).to(F64)
     x = torch.randn(8, 64, 16, dtype=F64, generator=torch.Generator().manual_seed(1))

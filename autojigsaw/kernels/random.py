@@ -37,13 +37,11 @@ def draw(op, args: tuple, kwargs: dict, *, shape: tuple[int, ...], offset: tuple
     whatever the values); the whole tensor is drawn and this rank's slice kept.
     """
     stride = iter(strides)
-    local_shape = None
+    local_shape = next(t.shape for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
     def whole(t):
-        nonlocal local_shape
         if not isinstance(t, torch.Tensor):
             return t
-        local_shape = t.shape
         full = torch.empty_strided(shape, next(stride), dtype=t.dtype, device=t.device)
         if op in _READ_VALUES:
             full.zero_()[_slices(offset, t.shape)] = t

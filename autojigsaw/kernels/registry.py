@@ -11,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch.fx import Node
-from torch.utils import _pytree as pytree
 
-from ..ir import KERNEL, tensor_inputs
+from ..ir import KERNEL, tensor_inputs, with_local_tensors
 from ..placements import local_offset
 from . import random
 
@@ -94,10 +92,7 @@ add(Kernel("dropout", _dropout))
 def _draw(node, spec, rank, local_inputs):
     out = node.meta["val"]
     offset = local_offset(out.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
-    tensors = iter(local_inputs)
-    args, kwargs = pytree.tree_map(
-        lambda a: next(tensors) if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor) else a,
-        (tuple(node.args), dict(node.kwargs)))
+    args, kwargs = with_local_tensors(node.args, node.kwargs, local_inputs)
     strides = tuple(tuple(src.meta["val"].stride()) for src, _ in tensor_inputs(node))
     return random.draw, (node.target, args, kwargs), {"shape": tuple(out.shape), "offset": offset,
                                                       "strides": strides}

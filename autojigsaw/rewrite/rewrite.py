@@ -65,7 +65,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
             values = [_moved(env, moved, graph, src, i, pl, rank, node.name)
                       for (src, i), pl in zip(tensor_inputs(node), spec.inputs)]
             if plan.data_parallel == "fsdp":
-                values = [_own_storage(graph, v, set(captured.params)) for v in values]
+                values = [_own_storage(graph, v, captured.params) for v in values]
             outputs = iter(values)
             flat = [next(outputs) if isinstance(a, Node) and src_is_tensor(a)
                     else env.get(a, a) if isinstance(a, Node) else a for a in node.args[0]]
@@ -104,7 +104,7 @@ def _check_matches(captured: Captured, by_name) -> None:
             )
 
 
-def _own_storage(graph: Graph, value: Node, params: set[str]) -> Node:
+def _own_storage(graph: Graph, value: Node, params: dict[str, str]) -> Node:
     """`value`, copied if it is a parameter or a view of one (a model that returns its embedding):
     FSDP frees a gathered parameter after the forward, and the output would read freed memory."""
     source = value

@@ -31,6 +31,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
+from ..ir import with_local_tensors
 from ..mesh import MeshSpec, RankView
 from ..placements import Placements, local_shape, normalize
 
@@ -186,12 +187,7 @@ def local_call(node: Node, rank: RankView, inputs: tuple[Placements, ...],
         schema = OpSchema(op, tuple(next(it) if isinstance(a, Node) else a for a in args), kwargs)
         local = _PROPAGATOR.op_to_scalar_shape_adjuster[op](specs, schema)
         args = [a if isinstance(a, Node) else b for a, b in zip(args, local.args_schema)]
-    tensors = iter(tensor_args)
-
-    def to_local(arg):
-        return next(tensors) if isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor) else arg
-
-    args, kwargs = pytree.tree_map(to_local, (tuple(args), kwargs))
+    args, kwargs = with_local_tensors(args, kwargs, tensor_args)
     return op, args, kwargs
 
 

@@ -33,10 +33,9 @@ _DRAWN_ELEMENTWISE = {
 
 @register(DRAWS)
 def draws(node, mesh, candidates):
-    shape = node.meta["val"].shape
-    n_in, n_out = len(tensor_inputs(node)), len(output_values(node))
-    elementwise = node.target in _DRAWN_ELEMENTWISE and all(
-        src.meta["val"].shape == shape for src, _ in tensor_inputs(node))
+    shape, inputs = node.meta["val"].shape, tensor_inputs(node)
+    n_in, n_out = len(inputs), len(output_values(node))
+    elementwise = node.target in _DRAWN_ELEMENTWISE and all(src.meta["val"].shape == shape for src, _ in inputs)
 
     def options(n):
         opts = [AxisOption((Replicate(),) * n_in, (Replicate(),) * n_out)]
