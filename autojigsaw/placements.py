@@ -37,6 +37,15 @@ def chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
     return tuple(Shard.local_shard_size_and_offset(size, parts, r)[0] for r in range(parts))
 
 
+def chunks_align(size_fine: int, size_coarse: int, ratio: int, parts: list[int]) -> bool:
+    """Do torch.chunk's nested chunks (over `parts` ranks, outermost first) of a dim of size_fine
+    hold exactly `ratio` x those of size_coarse: does every shard keep whole patches or windows?"""
+    if not parts:
+        return size_fine == ratio * size_coarse
+    fine, coarse = chunk_sizes(size_fine, parts[0]), chunk_sizes(size_coarse, parts[0])
+    return all(chunks_align(f, c, ratio, parts[1:]) for f, c in zip(fine, coarse))
+
+
 def _walk(shape, placements, mesh_sizes, coord):
     shape = list(shape)
     offset = [0] * len(shape)

@@ -121,7 +121,7 @@ def test_1d_patch_embedding_and_transposed_recovery(ranks4, case, kernel):
 
 def test_patch_gemm_is_offered_for_whole_patches_only():
     """Whole, ungrouped patches: the convolution and the GEMM, with the same layouts; a sliding,
-    a grouped or a remainder-dropping convolution: the convolution alone."""
+    a grouped or a remainder-dropping convolution: the convolution alone (with halos, when sliding)."""
     def kernels(conv, x):
         by_kernel = {}
         for s in _strategies(conv, x, "conv"):
@@ -131,7 +131,7 @@ def test_patch_gemm_is_offered_for_whole_patches_only():
     whole = kernels(nn.Conv2d(4, 6, 2, stride=2), torch.empty(2, 4, 8, 6))
     assert set(whole) == {"local", "patch_gemm"} and whole["local"] == whole["patch_gemm"]
     assert set(kernels(nn.ConvTranspose1d(4, 6, 3, stride=3), torch.empty(2, 4, 8))) == {"local", "patch_gemm"}
-    assert set(kernels(nn.Conv2d(4, 6, 3, padding=1), torch.empty(2, 4, 8, 6))) == {"local"}
+    assert set(kernels(nn.Conv2d(4, 6, 3, padding=1), torch.empty(2, 4, 8, 6))) == {"local", "halo_conv"}
     assert set(kernels(nn.Conv1d(4, 6, 2, stride=2, groups=2), torch.empty(2, 4, 8))) == {"local"}
     assert set(kernels(nn.Conv1d(4, 6, 3, stride=3), torch.empty(2, 4, 8))) == {"local"}  # 8 = 2 x 3 + 2
 

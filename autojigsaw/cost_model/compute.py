@@ -28,7 +28,8 @@ from .formulas import Formula, symbols
 
 aten = torch.ops.aten
 
-CONVS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
+CONVS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+         aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding}
 TRANSPOSED_CONVS = {aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
 MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
            aten.baddbmm.default, aten.matmul.default} | CONVS | TRANSPOSED_CONVS

@@ -1,7 +1,9 @@
-"""LayerNorm and RMSNorm whose last normalized dim is sharded over a mesh axis: exact statistics.
+"""LayerNorm, RMSNorm and GroupNorm over dims sharded over mesh axes: exact statistics.
 
 `normalized_shape` is the global one; x, weight and bias hold this rank's chunk of its last dim
-(torch.chunk sizes, empty chunks allowed). Statistics are sums over the full normalized dims,
+(torch.chunk sizes, empty chunks allowed). GroupNorm's spatial dims may be sharded over one or
+more axes: each group is a row of that LayerNorm, without affine (its channels' weight and bias
+follow). Statistics are sums over the full normalized dims,
 all-reduced in fp32 (fp64 stays fp64), the variance in a second pass around the global mean, so
 every rank gets its chunk of the single-device result: not a norm over its local channels only.
 Gradients of x, weight and bias are sharded like them; the backward all-reduces the row sums
@@ -20,7 +22,14 @@ from .collectives import raw_all_reduce
 from .once import differentiable_once
 
 
-def _layout(kernel, x, normalized_shape, params, axis: MeshAxis) -> tuple[tuple[int, ...], int]:
+Axes = MeshAxis | tuple[MeshAxis, ...]
+
+
+def _names(axis: Axes) -> str:
+    return ", ".join(repr(a.name) for a in ((axis,) if isinstance(axis, MeshAxis) else axis))
+
+
+def _layout(kernel, x, normalized_shape, params, axis: Axes) -> tuple[tuple[int, ...], int]:
     """The normalized dims of x and the global element count of one row, after checks."""
     shape = tuple(normalized_shape)
     k = len(shape)
@@ -28,20 +37,27 @@ def _layout(kernel, x, normalized_shape, params, axis: MeshAxis) -> tuple[tuple[
     if k == 0 or x.ndim < k or local[:-1] != shape[:-1] or local[-1] > shape[-1]:
         raise ValueError(
             f"{kernel}: x of shape {tuple(x.shape)} does not end in a chunk of the global "
-            f"normalized_shape {shape} (last dim sharded over axis {axis.name!r}); pass the global "
+            f"normalized_shape {shape} (last dim sharded over axis {_names(axis)}); pass the global "
             f"normalized_shape and this rank's chunk of x"
         )
     for name, p in params.items():
         if p is not None and tuple(p.shape) != local:
             raise ValueError(
                 f"{kernel}: {name} has shape {tuple(p.shape)} but x's normalized chunk is {local} "
-                f"on axis {axis.name!r}; pass this rank's chunk of {name}"
+                f"on axis {_names(axis)}; pass this rank's chunk of {name}"
             )
     return tuple(range(x.ndim - k, x.ndim)), math.prod(shape)
 
 
-def _row_sum(t, dims, axis: MeshAxis):
-    return raw_all_reduce(t.sum(dims, keepdim=True), "sum", axis)
+def _all_sum(t, axis: Axes):
+    """t summed over every rank of `axis` (one all-reduce per axis of a tuple)."""
+    for a in (axis,) if isinstance(axis, MeshAxis) else axis:
+        t = raw_all_reduce(t, "sum", a)
+    return t
+
+
+def _row_sum(t, dims, axis: Axes):
+    return _all_sum(t.sum(dims, keepdim=True), axis)
 
 
 def _sum_batch(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -77,7 +93,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = torch.stack([gxhat.sum(dims, keepdim=True),
                                 (gxhat * xhat).sum(dims, keepdim=True)])
-            sums = raw_all_reduce(sums, "sum", axis) / count
+            sums = _all_sum(sums, axis) / count
             dx = (rstd * (gxhat - sums[0] - xhat * sums[1])).to(x.dtype)
         dw = db = None
         if weight is not None and ctx.needs_input_grad[1]:
@@ -130,3 +146,20 @@ def sharded_rms_norm(x, normalized_shape, weight=None, eps: float | None = None,
     """F.rms_norm with the last of the (global) normalized dims sharded over `axis`."""
     dims, count = _layout("sharded_rms_norm", x, normalized_shape, {"weight": weight}, axis)
     return _ShardedRmsNorm.apply(x, weight, dims, count, eps, axis)
+
+
+def sharded_group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5, *,
+                       spatial: tuple[int, ...], axis: Axes):
+    """F.group_norm of x [N, C, *spatial] whose `spatial` sizes are global and whose spatial dims
+    are sharded over `axis` (one mesh axis or several): each group normalized over all its points."""
+    n, c = x.shape[:2]
+    rows = x.reshape(n, num_groups, c // num_groups * math.prod(x.shape[2:]))
+    count = c // num_groups * math.prod(spatial)
+    _layout("sharded_group_norm", rows, (count,), {}, axis)
+    y = _ShardedLayerNorm.apply(rows, None, None, (2,), count, eps, axis).view(x.shape)
+    channel = (c,) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        y = y * weight.view(channel)
+    if bias is not None:
+        y = y + bias.view(channel)
+    return y

@@ -6,9 +6,14 @@ Per mesh axis, for Y = conv(X, W, b) with X [B, Cin, *spatial] (1-, 2- or 3-D), 
   in       X Shard(1), W Shard(1), b Partial            -> Y Partial    (groups == 1)
   spatial  X Shard(d), W and b Replicate                -> Y Shard(d)
 A transposed convolution's W is [Cin, Cout / groups, *k]: its "out" shards W's dim 1 and its
-"in" W's dim 0. Spatial sharding needs no halo: only for patches (stride == kernel, no padding,
-output padding or dilation), and only where every rank's shard boundaries fall on patch
-boundaries, as they do when the patches divide evenly over the axes that shard them.
+"in" W's dim 0. Spatial sharding of patches (stride == kernel, no padding, output padding or
+dilation) needs no halo where every rank's shard boundaries fall on patch boundaries, as they
+do when the patches divide evenly over the axes that shard them. A same-size stencil (stride 1,
+zero padding of dilation x (kernel - 1) / 2 on each side: a 3x3 convolution with padding 1), or a
+strided one over whole strides (a 3x3 stride-2 downsampling, where every shard holds `stride`
+input rows per output row), shards a spatial dim over one mesh axis through kernel "halo_conv"
+(kernels/halo.py): each rank gets its neighbours' edge rows first, where every rank holds at
+least as many rows as the halo.
 
 A convolution over whole patches (batched, ungrouped) is offered twice, with each layout: as
 itself (cuDNN's kernel) and as kernel "patch_gemm", one GEMM on the cut-out patches
@@ -26,9 +31,11 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ...cost_model.compute import backward_factor, flops, memory_time, roofline_time
+from ...ir import GLOBAL, PLACEMENTS
 from ...kernels import registry
+from ...kernels.halo import halo_conv
 from ...kernels.patch_gemm import patch_conv, patch_conv_transpose
-from ...placements import chunk_sizes, local_shape
+from ...placements import chunk_sizes, chunks_align, local_shape
 from .base import AxisOption, per_axis, register
 from .matmul import trim_options
 
@@ -36,9 +43,11 @@ aten = torch.ops.aten
 R = Replicate()
 
 
-_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+_CONVS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+          aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding)  # padding="same" or "valid"
 _TRANSPOSED = (aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input)
 PATCH_GEMM = "patch_gemm"
+HALO = "halo_conv"
 
 
 @register(*_CONVS, *_TRANSPOSED, aten.convolution.default)
@@ -50,6 +59,7 @@ def conv(node, mesh, candidates):
     spatial = range(2, x.ndim)
     patches = [d for d in spatial if w.shape[d] == stride[d - 2] and padding[d - 2] == 0
                and dilation[d - 2] == 1 and output_padding[d - 2] == 0]
+    stencils = {} if transposed else {d: _halo(node, d) for d in spatial if _halo(node, d) is not None}
     w_out, w_in = (1, 0) if transposed else (0, 1)  # the weight dims of out and in channels
 
     def options(n):
@@ -64,13 +74,18 @@ def conv(node, mesh, candidates):
             if x.shape[1] >= n:
                 opts.append(AxisOption((Shard(1), Shard(w_in), Partial()), (Partial(),), note="in channels"))
         opts += [AxisOption((Shard(d), R, R), (Shard(d),), note="patches") for d in patches if y.shape[d] >= n]
+        opts += [AxisOption((Shard(d), R, R), (Shard(d),), kernel=HALO, note="rows and halos")
+                 for d, halo in stencils.items() if y.shape[d] >= n and min(chunk_sizes(x.shape[d], n)) >= max(halo)]
         return opts
 
     found = per_axis(mesh, lambda n: trim_options(options(n), has_bias))
     # the side with more points holds `kernel` of them per point of the other
     fine, coarse = (y.shape, x.shape) if transposed else (x.shape, y.shape)
-    found = [s for s in found if _patches_align(s.inputs[0], fine, coarse, w.shape, mesh)
-             and _no_empty_shard(s.inputs[0], s.inputs[1], x.shape, w.shape, mesh)]
+    stride_shape = (1, 1, *stride)  # a strided stencil's shards hold `stride` input rows per output row
+    found = [s for s in found if _patches_align(s.inputs[0], fine, coarse, w.shape, mesh, patches)
+             and _patches_align(s.inputs[0], fine, coarse, stride_shape, mesh, stencils)
+             and _no_empty_shard(s.inputs[0], s.inputs[1], x.shape, w.shape, mesh)
+             and all(s.inputs[0].count(Shard(d)) <= 1 for d in stencils)]
     whole_patches = all(fine[d] == coarse[d] * w.shape[d] for d in spatial)
     if groups == 1 and w.ndim == x.ndim and len(patches) == len(spatial) and whole_patches:
         found += [replace(s, kernel=PATCH_GEMM) for s in found]
@@ -100,11 +115,36 @@ def _per_dim(v, default, n: int) -> list:
     return list(v) * n if len(v) == 1 else list(v)
 
 
-def _patches_align(x_pl, fine_shape, coarse_shape, w_shape, mesh) -> bool:
+def _padding(node) -> list[int] | None:
+    """Zeros padded on each side of each spatial dim (None: "same" padding that is not symmetric)."""
+    _, padding, dilation, *_ = _conv_args(node)
+    if not (node.target in _CONVS and len(node.args) > 4 and node.args[4] == "same"):
+        return padding
+    reach = [dil * (k - 1) for dil, k in zip(dilation, node.args[1].meta["val"].shape[2:])]
+    return None if any(r % 2 for r in reach) else [r // 2 for r in reach]
+
+
+def _halo(node, d: int) -> tuple[int, int] | None:
+    """(rows before, rows after) a convolution reads past a shard of spatial dim d from its neighbours,
+    for one whose shards map onto output shards: same-size (stride 1, as many zeros padded on each
+    side as it reads past it) or strided over whole strides (input = stride x output). None: other."""
+    stride, _, dilation, *_ = _conv_args(node)
+    padding = _padding(node)
+    x, y = node.args[0].meta["val"].shape[d], node.meta["val"].shape[d]
+    reach, s = dilation[d - 2] * (node.args[1].meta["val"].shape[d] - 1), stride[d - 2]
+    if padding is None or reach == 0 or x != s * y:
+        return None
+    before, after = padding[d - 2], max(reach - padding[d - 2] - s + 1, 0)  # the last output row reads `after` past
+    if (s == 1 and before != after) or before + after == 0:  # nothing past: whole patches, a rule of their own
+        return None
+    return before, after
+
+
+def _patches_align(x_pl, fine_shape, coarse_shape, w_shape, mesh, patches) -> bool:
     """Does every shard of a patched dim hold whole patches, exactly those of the other side's shard?"""
-    for d in range(2, len(fine_shape)):
+    for d in patches:
         parts = [n for p, n in zip(x_pl, mesh.sizes) if p == Shard(d) and n > 1]
-        if parts and not _aligned(fine_shape[d], coarse_shape[d], w_shape[d], parts):
+        if parts and not chunks_align(fine_shape[d], coarse_shape[d], w_shape[d], parts):
             return False
     return True
 
@@ -118,14 +158,6 @@ def _no_empty_shard(x_pl, w_pl, x_shape, w_shape, mesh) -> bool:
         if min(local_shape(w_shape, w_pl, mesh.sizes, coord)[:2]) == 0:
             return False
     return True
-
-
-def _aligned(size_in: int, size_out: int, patch: int, parts: list[int]) -> bool:
-    """Do torch.chunk's nested chunks of size_in equal `patch` x those of size_out?"""
-    if not parts:
-        return size_in == patch * size_out
-    ins, outs = chunk_sizes(size_in, parts[0]), chunk_sizes(size_out, parts[0])
-    return all(_aligned(i, o, patch, parts[1:]) for i, o in zip(ins, outs))
 
 
 def _patch_gemm_call(node, spec, rank, local_inputs):
@@ -147,3 +179,64 @@ def _patch_gemm_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
 
 
 registry.add(registry.Kernel(PATCH_GEMM, _patch_gemm_call, None, _patch_gemm_cost))
+
+
+def _halo_call(node, spec, rank, local_inputs):
+    stride, _, dilation, _, groups, _ = _conv_args(node)
+    halos = tuple((d, before, after, rank.axis(a)) for d, a, before, after in _halo_dims(node, spec.inputs[0]))
+    return halo_conv, tuple(local_inputs), dict(stride=stride, padding=_padding(node), dilation=dilation,
+                                                 groups=groups, halos=halos)
+
+
+def _halo_bytes(x_shape, itemsize: int, halos, backward: bool = False) -> list[int]:
+    """Bytes this rank sends in each halo exchange (dim, before, after, ranks, coordinate), the dims
+    extended one after another: its first `after` rows go back, its last `before` forward (in the
+    backward, the gradients of its `before` halo go back and of its `after` halo forward)."""
+    shape, sent = list(x_shape), []
+    for d, before, after, n, c in halos:
+        back, forward = (before, after) if backward else (after, before)
+        sent.append(math.prod(shape) // shape[d] * itemsize * (back * (c > 0) + forward * (c < n - 1)))
+        shape[d] += before + after
+    return sent
+
+
+def _halo_dims(node, placements) -> list[tuple[int, int, int, int]]:
+    """(tensor dim, mesh axis, rows before, rows after) of every spatial dim the placements shard."""
+    x = node.args[0].meta["val"]
+    return [(d, a, *_halo(node, d)) for a, p in enumerate(placements) for d in range(2, x.ndim)
+            if p == Shard(d) and _halo(node, d) is not None]
+
+
+def _halo_traffic(node, rank, backward) -> list[tuple[str, int]]:
+    """One all-to-all of edge rows per sharded dim (an edge rank may send none: it still takes part), and
+    again for their gradients when x takes one."""
+    x = node.args[0]
+    val, pl = x.meta[GLOBAL], x.meta[PLACEMENTS][0]
+    shape = local_shape(val.shape, pl, rank.mesh.sizes, rank.coord)
+    halos = [(d, before, after, axis.size, axis.coord) for d, before, after, axis in node.kwargs["halos"]]
+    passes = (False, True) if x in backward else (False,)
+    return [("send_recv", b) for back in passes for b in _halo_bytes(shape, val.dtype.itemsize, halos, back)]
+
+
+def _halo_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
+    """The convolution on the rows with their halos, and the exchanges (an inner rank sends both ways)."""
+    x, w, y = node.args[0].meta["val"], node.args[1].meta["val"], node.meta["val"]
+    sizes = ctx.mesh.sizes
+    xs, ws = (local_shape(v.shape, pl, sizes, ctx.coord0) for v, pl in zip((x, w), strategy.inputs))
+    ys = local_shape(y.shape, strategy.outputs[0], sizes, ctx.coord0)
+    halos = _halo_dims(node, strategy.inputs[0])
+    inner = [1 if sizes[a] > 2 else 0 for _, a, _, _ in halos]  # a rank with neighbours on both sides, if any
+    sent = _halo_bytes(xs, x.dtype.itemsize, [(d, b, f, sizes[a], c) for (d, a, b, f), c in zip(halos, inner)])
+    # an inner rank sends before + after rows each way; the backward's exchanges cost as much
+    extended = list(xs)
+    for d, _, before, after in halos:
+        extended[d] += before + after
+    moved = (math.prod(extended) + math.prod(ws) + math.prod(ys)) * x.dtype.itemsize
+    conv_time = roofline_time(flops(node.target, [extended, ws], [ys]), moved, x.dtype, ctx.device, "conv")
+    exchange = sum(ctx.collective_time("send_recv", b, a) for (_, a, _, _), b in zip(halos, sent))
+    backward = ctx.training and grad
+    t = conv_time * (1 + (backward_factor(node.target) if backward else 0)) + exchange * (2 if backward else 1)
+    return float(t), float(math.prod(extended) * x.dtype.itemsize if backward else 0)
+
+
+registry.add(registry.Kernel(HALO, _halo_call, _halo_traffic, _halo_cost))

@@ -1,0 +1,105 @@
+"""Rules for pooling and nearest upsampling: shard a batch or channel dim, or whole windows of a spatial one.
+
+These ops work on each (sample, channel) plane alone, so any leading dim shards for free. A
+spatial dim shards where each output point reads only points of its own shard:
+  - max and average pooling over windows that tile the input (stride == kernel, no padding,
+    dilation or ceil mode), where every rank's chunk holds whole windows;
+  - nearest upsampling by a power of two (exact in floating point, as torch computes the source
+    index), where every rank's output chunk is its input chunk repeated; the kernel
+    "local_upsample" passes the local output size (the captured call's is the global one).
+Overlapping windows (a 3x3 max pool with padding) would need halos, and adaptive pooling to a
+point reduces a whole plane: they run batch- or channel-sharded or whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from ...kernels import registry
+from ...placements import chunks_align, local_shape
+from .base import AxisOption, per_axis, register
+
+aten = torch.ops.aten
+R = Replicate()
+UPSAMPLE = "local_upsample"
+
+_MAX_POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3}
+_AVG_POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
+_ADAPTIVE = {aten.adaptive_avg_pool1d.default: 1, aten.adaptive_avg_pool2d.default: 2,
+             aten.adaptive_avg_pool3d.default: 3, aten.adaptive_max_pool2d.default: 2,
+             aten.adaptive_max_pool3d.default: 3}
+_NEAREST = {aten.upsample_nearest1d.vec: 1, aten.upsample_nearest2d.vec: 2, aten.upsample_nearest3d.vec: 3}
+_SPATIAL = {**_MAX_POOLS, **_AVG_POOLS, **_ADAPTIVE, **_NEAREST}
+
+
+@register(*_SPATIAL)
+def pool(node, mesh, candidates):
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    y = y[0] if isinstance(y, (tuple, list)) else y
+    spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
+    windows = _tiling_windows(node, x.shape, y.shape, spatial)
+
+    def options(n):
+        opts = [AxisOption((R,), (R,) * _outputs(node))]
+        if n > 1:
+            opts += [AxisOption((Shard(d),), (Shard(d),) * _outputs(node), note="planes")
+                     for d in range(spatial[0]) if x.shape[d] >= n]
+            opts += [AxisOption((Shard(d),), (Shard(d),), kernel=_kernel(node), note="whole windows")
+                     for d in windows if min(x.shape[d], y.shape[d]) >= n]
+        return opts
+
+    def tiles(strategy) -> bool:
+        for d, window in windows.items():
+            parts = [n for n, p in zip(mesh.sizes, strategy.inputs[0]) if p == Shard(d) and n > 1]
+            fine, coarse = (x.shape[d], y.shape[d]) if node.target not in _NEAREST else (y.shape[d], x.shape[d])
+            if parts and not chunks_align(fine, coarse, window, parts):
+                return False
+        return True
+
+    return [s for s in per_axis(mesh, options) if tiles(s)]
+
+
+def _outputs(node) -> int:
+    return 2 if isinstance(node.meta["val"], (tuple, list)) else 1
+
+
+def _kernel(node) -> str:
+    return UPSAMPLE if node.target in _NEAREST else "local"
+
+
+def _tiling_windows(node, x_shape, y_shape, spatial) -> dict[int, int]:
+    """{spatial dim: points of the finer side per point of the coarser} where windows tile it exactly."""
+    args = list(node.args) + [None] * 6
+    if node.target in _NEAREST:
+        out = {d: y_shape[d] // x_shape[d] for d in spatial if y_shape[d] % x_shape[d] == 0}
+        return {d: s for d, s in out.items() if s & (s - 1) == 0}  # a power of two: 1 / s is exact
+    if node.target not in _MAX_POOLS and node.target not in _AVG_POOLS:
+        return {}
+    kernel, stride, padding = (_per_dim(args[i], len(spatial)) for i in (1, 2, 3))
+    stride = stride or kernel
+    dilation = _per_dim(args[4], len(spatial)) if node.target in _MAX_POOLS else [1] * len(spatial)
+    ceil_mode = args[5] if node.target in _MAX_POOLS else args[4]
+    if ceil_mode or any(padding) or any(d != 1 for d in dilation):
+        return {}
+    return {d: k for d, k, s in zip(spatial, kernel, stride) if k == s and x_shape[d] == k * y_shape[d]}
+
+
+def _per_dim(v, n: int) -> list[int]:
+    """A pooling argument as one entry per spatial dim ([] and None stay empty: the default)."""
+    if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+        return []
+    if isinstance(v, int):
+        return [v] * n
+    return list(v) * n if len(v) == 1 else list(v)
+
+
+def _upsample(node, spec, rank, local_inputs):
+    """upsample_nearest to this rank's output chunk (the captured call may name the global size)."""
+    y = node.meta["val"]
+    size = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    k = _SPATIAL[node.target]
+    return node.target, (local_inputs[0], list(size[-k:]), None), {}
+
+
+registry.add(registry.Kernel(UPSAMPLE, _upsample))
