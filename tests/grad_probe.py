@@ -9,6 +9,7 @@ Plans are made once in the test process under 0.7 of the replicated memory, so w
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -86,8 +87,14 @@ def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7) -> str:
     if name in side_by_side.MODELS:  # the same model and shapes: the plan test_hf_models.py makes too
         return side_by_side.plan_json(name, mesh, fraction)
     model, inputs = build(name)
-    whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
-    return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(fraction * whole)).to_json()
+    return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(fraction * _whole(name))).to_json()
+
+
+@functools.cache  # one 1-rank plan per model and test process, for every mesh
+def _whole(name: str) -> int:
+    """Bytes of `name`'s step on one rank."""
+    model, inputs = build(name)
+    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
 
 
 def _probe(out) -> torch.Tensor:
