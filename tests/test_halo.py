@@ -84,24 +84,44 @@ def _halo_layouts(conv: nn.Module, shape, mesh: dict) -> set[str]:
     return {format_placements(s.inputs[0]) for s in node.meta[STRATEGIES] if s.kernel == "halo_conv"}
 
 
-def test_halos_only_where_each_rank_holds_the_rows_its_neighbours_need():
-    assert _halo_layouts(nn.Conv2d(2, 2, 3, padding=1), (1, 2, 4, 4), {"domain": 2}) == {"S(2)", "S(3)"}
+def test_any_convolution_shards_its_rows_but_where_a_rank_would_hold_none():
+    conv = nn.Conv2d(2, 2, 3, padding=1)
+    assert _halo_layouts(conv, (1, 2, 4, 4), {"domain": 2}) == {"S(2)", "S(3)"}
     assert _halo_layouts(nn.Conv2d(2, 2, 3, padding="same"), (1, 2, 4, 4), {"domain": 2}) == {"S(2)", "S(3)"}
-    # 5 rows over 4 ranks: 2, 2, 1, 0 -- the last holds none
-    assert _halo_layouts(nn.Conv2d(2, 2, 3, padding=1), (1, 2, 5, 8), {"domain": 4}) == {"S(3)"}
-    # a halo of 2 (dilation 2) and 2 columns per rank; not 1 row per rank
-    assert _halo_layouts(nn.Conv2d(2, 2, 3, padding=2, dilation=2), (1, 2, 4, 8), {"domain": 4}) == {"S(3)"}
-    # the rows of one dim over two axes: a neighbour across both axes, not offered
-    assert "S(2),S(2)" not in _halo_layouts(nn.Conv2d(2, 2, 3, padding=1), (1, 2, 8, 8), {"a": 2, "b": 2})
-    # strided over whole strides: 8 rows -> 4, 4 + 4 -> 2 + 2; not 12 columns over 4 ranks (3 each; 6 -> 2, 2, 2, 0)
-    assert _halo_layouts(nn.Conv2d(2, 2, 3, stride=2, padding=1), (1, 2, 8, 12), {"domain": 2}) == {"S(2)", "S(3)"}
-    assert _halo_layouts(nn.Conv2d(2, 2, 3, stride=2, padding=1), (1, 2, 8, 12), {"domain": 4}) == {"S(2)"}
-    # unpadded (the output shrinks), or whole patches (the patch rule's, with no halo)
-    assert not _halo_layouts(nn.Conv2d(2, 2, 3), (1, 2, 8, 8), {"domain": 2})
+    # 5 rows over 4 ranks: 2, 2, 1, 0 -- the last would hold none
+    assert _halo_layouts(conv, (1, 2, 5, 8), {"domain": 4}) == {"S(3)"}
+    # a halo wider than a chunk (dilation 2: 2 rows past a 1-row chunk), strided, unpadded: all fetched
+    assert _halo_layouts(nn.Conv2d(2, 2, 3, padding=2, dilation=2), (1, 2, 4, 8), {"domain": 4}) == {"S(2)", "S(3)"}
+    assert _halo_layouts(nn.Conv2d(2, 2, 3, stride=2, padding=1), (1, 2, 8, 14), {"domain": 4}) == {"S(2)", "S(3)"}
+    assert _halo_layouts(nn.Conv2d(2, 2, 3), (1, 2, 8, 8), {"domain": 2}) == {"S(2)", "S(3)"}
+    # the rows of one dim over two axes (a neighbour across both), or whole patches (the patch rule's)
+    assert "S(2),S(2)" not in _halo_layouts(conv, (1, 2, 8, 8), {"a": 2, "b": 2})
     assert not _halo_layouts(nn.Conv2d(2, 2, 2, stride=2), (1, 2, 8, 8), {"domain": 2})
-    assert _halo_layouts(nn.Conv2d(2, 2, (3, 2), padding=(1, 0)), (1, 2, 8, 8), {"domain": 2}) == {"S(2)"}
-    # "same" with an even kernel pads one side more: no halo on either dim
+    # "same" with an even kernel pads one side more: not offered
     assert not _halo_layouts(nn.Conv2d(2, 2, (3, 2), padding="same"), (1, 2, 8, 8), {"domain": 2})
+
+
+class Signal(nn.Module):
+    """1-D convolutions whose windows do not line up with the shards: a dilated kernel reaching past a
+    whole chunk, a strided unpadded one, and one that shrinks the signal."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Conv1d(2, 3, 5, padding=4, dilation=2)
+        self.down = nn.Conv1d(3, 3, 3, stride=2)
+        self.valid = nn.Conv1d(3, 2, 2)
+
+    def forward(self, x):
+        return self.valid(torch.tanh(self.down(torch.tanh(self.wide(x)))))
+
+
+def test_misaligned_windows_fetch_the_rows_they_read(ranks4):
+    x = torch.randn(2, 2, 23, generator=torch.Generator().manual_seed(1), dtype=F64)  # 6, 6, 6, 5 points
+    make = partial(seeded, Signal, F64)
+    plan = pinned_plan(make(), (x,), {"domain": 4}, {n: (lambda s: format_placements(s.inputs[0]) == "S(2)")
+                                                     for n in ("conv1d", "conv1d_1", "conv1d_2")})
+    assert [plan.node(n).kernel for n in ("conv1d", "conv1d_1", "conv1d_2")] == ["halo_conv"] * 3
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), (4,), plan.to_json()), F64)
 
 
 class Volume(nn.Module):
@@ -160,4 +180,58 @@ def test_nnunet_trains_like_one_device_with_its_volume_sharded(ranks4, mesh, sha
     plan = pinned_plan(make(), (x,), mesh, {n: (lambda s: format_placements(s.inputs[0]) == layout) for n in names})
     kernels = [plan.node(n).kernel for n in names]
     assert kernels == ["halo_conv", "sharded_group_norm"] * 3 + ["local"], list(zip(names, kernels))
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
+
+
+class Stem(nn.Module):
+    """A ResNet stem: a 7x7 stride-2 convolution, then a 3x3 stride-2 max pool with padding 1, then a
+    padded 3x3 average pool that counts its padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 7, stride=2, padding=3)
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.smooth = nn.AvgPool2d(3, stride=1, padding=1)
+
+    def forward(self, x):
+        return self.smooth(self.pool(torch.tanh(self.conv(x) - 1)))  # mostly negative: padding must be -inf
+
+
+def test_overlapping_pooling_windows_fetch_their_rows_padded_as_the_pool_pads(ranks4):
+    x = torch.randn(1, 3, 32, 8, generator=torch.Generator().manual_seed(1), dtype=F64)  # rows: 32 -> 16 -> 8
+    make = partial(seeded, Stem, F64)
+    names = ("conv2d", "max_pool2d", "avg_pool2d")
+    plan = pinned_plan(make(), (x,), {"domain": 4}, {n: (lambda s: format_placements(s.inputs[0]) == "S(2)")
+                                                     for n in names})
+    assert [plan.node(n).kernel for n in names] == ["halo_conv", "halo_pool", "halo_pool"]
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), (4,), plan.to_json()), F64)
+
+
+class PeriodicCNN(nn.Module):
+    """A weather CNN on a latitude x longitude grid: longitude wraps around (circular padding, then an
+    unpadded convolution on it); a Conv2d with padding_mode="circular"; reflect, replicate and
+    constant padding (with a crop) as image models write them."""
+
+    def __init__(self):
+        super().__init__()
+        self.periodic = nn.Conv2d(3, 4, 3, padding=(1, 0))
+        self.torus = nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
+        self.mirror = nn.Conv2d(4, 2, 5)
+
+    def forward(self, x):
+        x = torch.tanh(self.periodic(F.pad(x, (1, 1, 0, 0), mode="circular")))
+        x = torch.tanh(self.torus(x))
+        x = self.mirror(F.pad(x, (2, 2, 2, 2), mode="reflect"))
+        return F.pad(F.pad(x, (1, 1, 1, 1), mode="replicate"), (-1, 2, 1, -1), value=0.5)
+
+
+@pytest.mark.parametrize("mesh, layout", [({"domain": 4}, "S(3)"), ({"domain": 2, "tensor": 2}, "S(2),S(3)")],
+                         ids=["longitude-4", "latitude-longitude-2x2"])
+def test_periodic_and_mirrored_padding_fetch_the_rows_they_copy(ranks4, mesh, layout):
+    x = torch.randn(1, 3, 10, 16, generator=torch.Generator().manual_seed(1), dtype=F64)
+    make = partial(seeded, PeriodicCNN, F64)
+    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(("pad", "conv2d"))]
+    plan = pinned_plan(make(), (x,), mesh, {n: (lambda s: format_placements(s.inputs[0]) == layout) for n in names})
+    kernels = {plan.node(n).kernel for n in names}
+    assert kernels == {"halo_pad", "halo_conv"}, [(n, plan.node(n).kernel) for n in names]
     assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)

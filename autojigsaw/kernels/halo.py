@@ -1,15 +1,20 @@
-"""Halo exchange: a stencil on a spatially sharded tensor, with its neighbours' edge rows.
+"""Halos: the rows of a spatially sharded dim that a stencil, a pooling window or a padding reads
+from other ranks, fetched before the op runs on this rank's chunk.
 
-A 3x3 convolution at the edge of a rank's chunk of rows needs the row beyond it, which the
-next rank holds. `halo_exchange` extends this rank's chunk along one dim with the last `before`
-rows of the rank before it and the first `after` rows of the rank after (zeros past the global
-edges: a zero-padded stencil), in one all-to-all; its adjoint sends the halos' gradients back
-and adds them to the rows they came from. Sharding each spatial dim over its own mesh axis and
-extending the dims one after another also fills the corners (the second exchange sends rows
-that already hold the first one's halo). `halo_conv` is a convolution of the result.
+Each rank holds a torch.chunk of the rows of one dim. A node whose output rows each read a
+window of input rows (a convolution, a pooling) or a mapped row (circular, reflect or replicate
+padding) is run on this rank's output chunk by first fetching the input rows that chunk reads:
+`fetch_rows` takes every rank's list of wanted rows (as runs of global row indices; an index
+outside the dim reads `fill`, the op's padding), sends each rank the rows it wants that this rank
+holds (one all-to-all), and returns this rank's wanted rows in order. Its adjoint sends the
+gradients of fetched rows back to their owners, which add them up (a row read by two ranks, or
+twice, gets both). Dims sharded over two mesh axes are fetched one after another, so a 3x3
+stencil also gets its corners.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -20,69 +25,149 @@ from .once import differentiable_once
 
 c10d = torch.ops._c10d_functional
 
+Runs = tuple[tuple[int, int], ...]  # (first global row, number of rows) in the order they are wanted
 
-def _swap(back: torch.Tensor, forward: torch.Tensor, axis: MeshAxis, from_prev: int, from_next: int):
-    """Send flat `back` to the previous rank and flat `forward` to the next; receive `from_prev` and
-    `from_next` elements (zeros where there is no such rank). Returns (from previous, from next)."""
-    n, coord = axis.size, axis.coord
-    send, recv = [0] * n, [0] * n
-    if coord > 0:
-        send[coord - 1], recv[coord - 1] = back.numel(), from_prev
-    if coord < n - 1:
-        send[coord + 1], recv[coord + 1] = forward.numel(), from_next
-    buf = torch.cat(([back] if coord > 0 else []) + ([forward] if coord < n - 1 else []))
+
+def _starts(sizes) -> list[int]:
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return out
+
+
+def fetch_pieces(runs: Runs, sizes) -> list[tuple[int | None, int, int]]:
+    """The runs split by owner: (owning rank or None for fill, first row in the owner's chunk, rows)."""
+    starts, total = _starts(sizes), sum(sizes)
+    out = []
+    for start, length in runs:
+        row, end = start, start + length
+        while row < end:
+            if row < 0 or row >= total:
+                stop = min(end, 0) if row < 0 else end
+                out.append((None, 0, stop - row))
+            else:
+                owner = max(j for j, s in enumerate(starts) if s <= row and sizes[j] > 0)
+                stop = min(end, starts[owner] + sizes[owner])
+                out.append((owner, row - starts[owner], stop - row))
+            row = stop
+    return out
+
+
+def _exchange(x: torch.Tensor, sends: list[list[tuple[int, int]]], recv_rows: list[int],
+              axis: MeshAxis) -> torch.Tensor:
+    """Rows of x (dim 0) to other ranks, sends[j] = (first row, rows) pieces for rank j; the rows
+    received from each rank, concatenated in rank order."""
+    row = math.prod(x.shape[1:])
+    parts = [x.narrow(0, first, n) for j, pieces in enumerate(sends) if j != axis.coord for first, n in pieces]
+    buf = torch.cat([p.reshape(-1) for p in parts]) if parts else x.new_zeros(0)
+    send = [0 if j == axis.coord else sum(n for _, n in sends[j]) * row for j in range(axis.size)]
+    recv = [0 if j == axis.coord else recv_rows[j] * row for j in range(axis.size)]
     record("send_recv", axis, buf)
-    got = waited("send_recv", axis, lambda: c10d.all_to_all_single(buf.contiguous(), recv, send, axis.group))
-    prev = got[:from_prev] if coord > 0 else got.new_zeros(from_prev)
-    nxt = got[got.numel() - from_next:] if coord < n - 1 else got.new_zeros(from_next)
-    return prev, nxt
+    return waited("send_recv", axis, lambda: c10d.all_to_all_single(buf.contiguous(), recv, send, axis.group))
 
 
-class _HaloExchange(torch.autograd.Function):
+class _FetchRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, before, after, axis):
-        ctx.args = (dim, before, after, axis)
+    def forward(ctx, x, dim, wants, sizes, axis, fill):
+        ctx.args = (dim, wants, sizes, axis, x.shape)
         rows = x.movedim(dim, 0)
-        row = rows.shape[1:]
-        # the previous rank's halo after is my first rows; the next rank's halo before, my last
-        prev, nxt = _swap(rows[:after].reshape(-1), rows[rows.shape[0] - before:].reshape(-1), axis,
-                          before * row.numel(), after * row.numel())
-        return torch.cat([prev.view(before, *row), rows, nxt.view(after, *row)]).movedim(0, dim)
+        me = axis.coord
+        mine = fetch_pieces(wants[me], sizes)
+        sends = [[(first, n) for owner, first, n in fetch_pieces(wants[j], sizes) if owner == me] for j in range(axis.size)]
+        recv_rows = [sum(n for owner, _, n in mine if owner == j != me) for j in range(axis.size)]
+        got = _exchange(rows, sends, recv_rows, axis).view(-1, *rows.shape[1:])
+        at = dict(zip(range(axis.size), _starts(recv_rows)))
+        out = []
+        for owner, first, n in mine:
+            if owner is None:
+                out.append(rows.new_full((n, *rows.shape[1:]), fill))
+            elif owner == me:
+                out.append(rows.narrow(0, first, n))
+            else:
+                out.append(got.narrow(0, at[owner], n))
+                at[owner] += n
+        return torch.cat(out).movedim(0, dim)
 
     @staticmethod
     @differentiable_once
     def backward(ctx, g):
-        dim, before, after, axis = ctx.args
-        rows = g.movedim(dim, 0)
-        row = rows.shape[1:]
-        inner = rows[before:rows.shape[0] - after].clone()
-        # each halo's gradient goes back to the rank its rows came from, and is added there
-        from_prev, from_next = _swap(rows[:before].reshape(-1), rows[rows.shape[0] - after:].reshape(-1), axis,
-                                     after * row.numel(), before * row.numel())
-        inner[:after] += from_prev.view(after, *row)
-        inner[inner.shape[0] - before:] += from_next.view(before, *row)
-        return inner.movedim(0, dim), None, None, None, None
+        dim, wants, sizes, axis, shape = ctx.args
+        grads = g.movedim(dim, 0)
+        me = axis.coord
+        mine = fetch_pieces(wants[me], sizes)
+        # the gradient of each fetched row goes back to its owner: the forward's sends, reversed
+        back = [[] for _ in range(axis.size)]
+        at = 0
+        for owner, first, n in mine:
+            if owner is not None:
+                back[owner].append((at, n))
+            at += n
+        theirs = [[(first, n) for owner, first, n in fetch_pieces(wants[j], sizes) if owner == me] for j in range(axis.size)]
+        got = _exchange(grads, back, [sum(n for _, n in theirs[j]) if j != me else 0 for j in range(axis.size)], axis)
+        got = got.view(-1, *grads.shape[1:])
+        dx = grads.new_zeros((shape[dim], *grads.shape[1:]))
+        at = 0
+        for j in range(axis.size):
+            for first, n in theirs[j]:
+                if j == me:
+                    continue
+                dx[first:first + n] += got[at:at + n]
+                at += n
+        at = 0
+        for owner, first, n in mine:
+            if owner == me:
+                dx[first:first + n] += grads[at:at + n]
+            at += n
+        return dx.movedim(0, dim), None, None, None, None, None
 
 
-def halo_exchange(x: torch.Tensor, *, dim: int, before: int, after: int, axis: MeshAxis) -> torch.Tensor:
-    """x extended along `dim` by `before` rows of the previous rank on `axis` and `after` of the next
-    (zeros past the edges)."""
-    if before + after == 0 or axis.size == 1:
-        return x
-    if x.shape[dim] < max(before, after):
-        raise ValueError(f"halo_exchange: this rank holds {x.shape[dim]} rows of dim {dim} on mesh axis "
-                         f"{axis.name!r}, fewer than the halo of {max(before, after)} its neighbours need; shard "
-                         "that dim over fewer ranks or plan again")
-    return _HaloExchange.apply(x, dim, before, after, axis)
+def fetch_rows(x: torch.Tensor, *, dim: int, wants: tuple[Runs, ...], sizes: tuple[int, ...], axis: MeshAxis,
+               fill: float = 0.0) -> torch.Tensor:
+    """This rank's wanted rows of the dim that x holds a chunk of (chunk sizes `sizes` over `axis`),
+    `wants[r]` naming rank r's as runs of global rows; rows outside the dim read `fill`."""
+    if x.shape[dim] != sizes[axis.coord]:
+        raise ValueError(f"fetch_rows: this rank holds {x.shape[dim]} rows of dim {dim}, but the plan gives it "
+                         f"{sizes[axis.coord]} of {sum(sizes)} on mesh axis {axis.name!r}; plan again")
+    return _FetchRows.apply(x, dim, wants, sizes, axis, fill)
+
+
+def window_runs(out_sizes, stride: int, padding: int, reach: int) -> tuple[Runs, ...]:
+    """Each rank's input rows for its chunk of output rows of a window op: output row i reads
+    input rows stride x i - padding ... + reach (the padding's rows lie outside the dim)."""
+    return tuple(((stride * o - padding, stride * (n - 1) + reach + 1),) if n else ()
+                 for o, n in zip(_starts(out_sizes), out_sizes))
 
 
 def halo_conv(x, weight, bias=None, *, stride, padding, dilation, groups: int,
-              halos: tuple[tuple[int, int, int, MeshAxis], ...]) -> torch.Tensor:
-    """A convolution of this rank's chunk: each dim of `halos` (tensor dim, rows before, rows after,
-    its mesh axis) extended from the neighbours, then convolved without padding on that dim."""
+              fetches: tuple[tuple[int, tuple[Runs, ...], tuple[int, ...], MeshAxis], ...]) -> torch.Tensor:
+    """A convolution of this rank's chunk: each dim of `fetches` (tensor dim, every rank's wanted
+    rows, the chunk sizes, its mesh axis) fetched with its zero padding, then convolved unpadded."""
     padding = list(padding)
-    for dim, before, after, axis in halos:
-        x = halo_exchange(x, dim=dim, before=before, after=after, axis=axis)
+    for dim, wants, sizes, axis in fetches:
+        x = fetch_rows(x, dim=dim, wants=wants, sizes=sizes, axis=axis)
         padding[dim - 2] = 0
     conv = (F.conv1d, F.conv2d, F.conv3d)[x.ndim - 3]
     return conv(x, weight, bias, stride, padding, dilation, groups)
+
+
+def halo_pool(x, kernel_size, stride, padding, *rest, op, fetches, fill: float):
+    """A max or average pooling (aten `op`, its arguments after x) of this rank's chunk: each dim of
+    `fetches` fetched with the pooling's padding value (`fill`), then pooled unpadded on that dim."""
+    padding = list(padding)  # one entry per spatial dim
+    first = x.ndim - len(kernel_size)
+    for dim, wants, sizes, axis in fetches:
+        x = fetch_rows(x, dim=dim, wants=wants, sizes=sizes, axis=axis, fill=fill)
+        padding[dim - first] = 0
+    return op(x, kernel_size, stride, padding, *rest)
+
+
+def halo_pad(x, pad, *, mode: str, value, fetches):
+    """F.pad of this rank's chunk: each dim of `fetches` fetched as the padding maps its rows (the
+    constant where it adds one), then the other dims padded as the captured call pads them."""
+    pad = list(pad)
+    for dim, wants, sizes, axis in fetches:
+        x = fetch_rows(x, dim=dim, wants=wants, sizes=sizes, axis=axis, fill=0.0 if value is None else value)
+        k = x.ndim - 1 - dim  # pad's pairs run from the last dim
+        pad[2 * k] = pad[2 * k + 1] = 0
+    return F.pad(x, pad, mode=mode, value=value) if any(pad) else x

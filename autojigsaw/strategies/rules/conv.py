@@ -8,12 +8,10 @@ Per mesh axis, for Y = conv(X, W, b) with X [B, Cin, *spatial] (1-, 2- or 3-D), 
 A transposed convolution's W is [Cin, Cout / groups, *k]: its "out" shards W's dim 1 and its
 "in" W's dim 0. Spatial sharding of patches (stride == kernel, no padding, output padding or
 dilation) needs no halo where every rank's shard boundaries fall on patch boundaries, as they
-do when the patches divide evenly over the axes that shard them. A same-size stencil (stride 1,
-zero padding of dilation x (kernel - 1) / 2 on each side: a 3x3 convolution with padding 1), or a
-strided one over whole strides (a 3x3 stride-2 downsampling, where every shard holds `stride`
-input rows per output row), shards a spatial dim over one mesh axis through kernel "halo_conv"
-(kernels/halo.py): each rank gets its neighbours' edge rows first, where every rank holds at
-least as many rows as the halo.
+do when the patches divide evenly over the axes that shard them. Any other convolution (a 3x3
+stencil, dilated, strided, unpadded) shards a spatial dim over one mesh axis through kernel
+"halo_conv": each rank first fetches the input rows its chunk of output rows reads, its
+neighbours' edge rows (kernels/halo.py, rules/halo.py).
 
 A convolution over whole patches (batched, ungrouped) is offered twice, with each layout: as
 itself (cuDNN's kernel) and as kernel "patch_gemm", one GEMM on the cut-out patches
@@ -31,11 +29,11 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ...cost_model.compute import backward_factor, flops, memory_time, roofline_time
-from ...ir import GLOBAL, PLACEMENTS
 from ...kernels import registry
 from ...kernels.halo import halo_conv
+from . import halo
 from ...kernels.patch_gemm import patch_conv, patch_conv_transpose
-from ...placements import chunk_sizes, chunks_align, local_shape
+from ...placements import chunks_align, local_shape
 from .base import AxisOption, per_axis, register
 from .matmul import trim_options
 
@@ -54,12 +52,11 @@ HALO = "halo_conv"
 def conv(node, mesh, candidates):
     x, w = node.args[0].meta["val"], node.args[1].meta["val"]
     y = node.meta["val"]
-    stride, padding, dilation, transposed, groups, output_padding = _conv_args(node)
+    transposed, groups = _conv_args(node)[3:5]
     has_bias = len(candidates) == 3
     spatial = range(2, x.ndim)
-    patches = [d for d in spatial if w.shape[d] == stride[d - 2] and padding[d - 2] == 0
-               and dilation[d - 2] == 1 and output_padding[d - 2] == 0]
-    stencils = {} if transposed else {d: _halo(node, d) for d in spatial if _halo(node, d) is not None}
+    patches = _patch_dims(node)
+    stencils = {} if transposed else _stencils(node)
     w_out, w_in = (1, 0) if transposed else (0, 1)  # the weight dims of out and in channels
 
     def options(n):
@@ -74,18 +71,16 @@ def conv(node, mesh, candidates):
             if x.shape[1] >= n:
                 opts.append(AxisOption((Shard(1), Shard(w_in), Partial()), (Partial(),), note="in channels"))
         opts += [AxisOption((Shard(d), R, R), (Shard(d),), note="patches") for d in patches if y.shape[d] >= n]
-        opts += [AxisOption((Shard(d), R, R), (Shard(d),), kernel=HALO, note="rows and halos")
-                 for d, halo in stencils.items() if y.shape[d] >= n and min(chunk_sizes(x.shape[d], n)) >= max(halo)]
+        opts += [AxisOption((Shard(d), R, R), (Shard(d),), kernel=HALO, note="rows and halos") for d in stencils]
         return opts
 
     found = per_axis(mesh, lambda n: trim_options(options(n), has_bias))
     # the side with more points holds `kernel` of them per point of the other
     fine, coarse = (y.shape, x.shape) if transposed else (x.shape, y.shape)
-    stride_shape = (1, 1, *stride)  # a strided stencil's shards hold `stride` input rows per output row
     found = [s for s in found if _patches_align(s.inputs[0], fine, coarse, w.shape, mesh, patches)
-             and _patches_align(s.inputs[0], fine, coarse, stride_shape, mesh, stencils)
              and _no_empty_shard(s.inputs[0], s.inputs[1], x.shape, w.shape, mesh)
-             and all(s.inputs[0].count(Shard(d)) <= 1 for d in stencils)]
+             and halo.one_axis_each(s.inputs[0], stencils)
+             and halo.nonempty(x.shape, y.shape, stencils, mesh.sizes, s.inputs[0])]
     whole_patches = all(fine[d] == coarse[d] * w.shape[d] for d in spatial)
     if groups == 1 and w.ndim == x.ndim and len(patches) == len(spatial) and whole_patches:
         found += [replace(s, kernel=PATCH_GEMM) for s in found]
@@ -124,20 +119,22 @@ def _padding(node) -> list[int] | None:
     return None if any(r % 2 for r in reach) else [r // 2 for r in reach]
 
 
-def _halo(node, d: int) -> tuple[int, int] | None:
-    """(rows before, rows after) a convolution reads past a shard of spatial dim d from its neighbours,
-    for one whose shards map onto output shards: same-size (stride 1, as many zeros padded on each
-    side as it reads past it) or strided over whole strides (input = stride x output). None: other."""
+def _patch_dims(node) -> list[int]:
+    """The spatial dims a convolution cuts into whole, non-overlapping patches."""
+    stride, padding, dilation, _, _, output_padding = _conv_args(node)
+    w = node.args[1].meta["val"]
+    return [d for d in range(2, w.ndim) if w.shape[d] == stride[d - 2] and padding[d - 2] == 0
+            and dilation[d - 2] == 1 and output_padding[d - 2] == 0]
+
+
+def _stencils(node) -> dict[int, halo.RowMap]:
+    """The input rows each output row reads, on every spatial dim but whole patches' (the patch rule's)."""
     stride, _, dilation, *_ = _conv_args(node)
-    padding = _padding(node)
-    x, y = node.args[0].meta["val"].shape[d], node.meta["val"].shape[d]
-    reach, s = dilation[d - 2] * (node.args[1].meta["val"].shape[d] - 1), stride[d - 2]
-    if padding is None or reach == 0 or x != s * y:
-        return None
-    before, after = padding[d - 2], max(reach - padding[d - 2] - s + 1, 0)  # the last output row reads `after` past
-    if (s == 1 and before != after) or before + after == 0:  # nothing past: whole patches, a rule of their own
-        return None
-    return before, after
+    padding, w, patches = _padding(node), node.args[1].meta["val"], _patch_dims(node)
+    if padding is None:  # "same" with an even kernel pads one side more
+        return {}
+    return {d: halo.windows(stride[d - 2], padding[d - 2], dilation[d - 2] * (w.shape[d] - 1))
+            for d in range(2, w.ndim) if d not in patches}
 
 
 def _patches_align(x_pl, fine_shape, coarse_shape, w_shape, mesh, patches) -> bool:
@@ -183,60 +180,24 @@ registry.add(registry.Kernel(PATCH_GEMM, _patch_gemm_call, None, _patch_gemm_cos
 
 def _halo_call(node, spec, rank, local_inputs):
     stride, _, dilation, _, groups, _ = _conv_args(node)
-    halos = tuple((d, before, after, rank.axis(a)) for d, a, before, after in _halo_dims(node, spec.inputs[0]))
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _stencils(node), rank.mesh.sizes)
+    fetches = tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found)
     return halo_conv, tuple(local_inputs), dict(stride=stride, padding=_padding(node), dilation=dilation,
-                                                 groups=groups, halos=halos)
-
-
-def _halo_bytes(x_shape, itemsize: int, halos, backward: bool = False) -> list[int]:
-    """Bytes this rank sends in each halo exchange (dim, before, after, ranks, coordinate), the dims
-    extended one after another: its first `after` rows go back, its last `before` forward (in the
-    backward, the gradients of its `before` halo go back and of its `after` halo forward)."""
-    shape, sent = list(x_shape), []
-    for d, before, after, n, c in halos:
-        back, forward = (before, after) if backward else (after, before)
-        sent.append(math.prod(shape) // shape[d] * itemsize * (back * (c > 0) + forward * (c < n - 1)))
-        shape[d] += before + after
-    return sent
-
-
-def _halo_dims(node, placements) -> list[tuple[int, int, int, int]]:
-    """(tensor dim, mesh axis, rows before, rows after) of every spatial dim the placements shard."""
-    x = node.args[0].meta["val"]
-    return [(d, a, *_halo(node, d)) for a, p in enumerate(placements) for d in range(2, x.ndim)
-            if p == Shard(d) and _halo(node, d) is not None]
-
-
-def _halo_traffic(node, rank, backward) -> list[tuple[str, int]]:
-    """One all-to-all of edge rows per sharded dim (an edge rank may send none: it still takes part), and
-    again for their gradients when x takes one."""
-    x = node.args[0]
-    val, pl = x.meta[GLOBAL], x.meta[PLACEMENTS][0]
-    shape = local_shape(val.shape, pl, rank.mesh.sizes, rank.coord)
-    halos = [(d, before, after, axis.size, axis.coord) for d, before, after, axis in node.kwargs["halos"]]
-    passes = (False, True) if x in backward else (False,)
-    return [("send_recv", b) for back in passes for b in _halo_bytes(shape, val.dtype.itemsize, halos, back)]
+                                                 groups=groups, fetches=fetches)
 
 
 def _halo_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
-    """The convolution on the rows with their halos, and the exchanges (an inner rank sends both ways)."""
+    """The convolution on the fetched rows, and the fetches of the busiest rank (inner ranks fetch both ways)."""
     x, w, y = node.args[0].meta["val"], node.args[1].meta["val"], node.meta["val"]
-    sizes = ctx.mesh.sizes
-    xs, ws = (local_shape(v.shape, pl, sizes, ctx.coord0) for v, pl in zip((x, w), strategy.inputs))
-    ys = local_shape(y.shape, strategy.outputs[0], sizes, ctx.coord0)
-    halos = _halo_dims(node, strategy.inputs[0])
-    inner = [1 if sizes[a] > 2 else 0 for _, a, _, _ in halos]  # a rank with neighbours on both sides, if any
-    sent = _halo_bytes(xs, x.dtype.itemsize, [(d, b, f, sizes[a], c) for (d, a, b, f), c in zip(halos, inner)])
-    # an inner rank sends before + after rows each way; the backward's exchanges cost as much
-    extended = list(xs)
-    for d, _, before, after in halos:
-        extended[d] += before + after
-    moved = (math.prod(extended) + math.prod(ws) + math.prod(ys)) * x.dtype.itemsize
-    conv_time = roofline_time(flops(node.target, [extended, ws], [ys]), moved, x.dtype, ctx.device, "conv")
-    exchange = sum(ctx.collective_time("send_recv", b, a) for (_, a, _, _), b in zip(halos, sent))
     backward = ctx.training and grad
-    t = conv_time * (1 + (backward_factor(node.target) if backward else 0)) + exchange * (2 if backward else 1)
-    return float(t), float(math.prod(extended) * x.dtype.itemsize if backward else 0)
+    fetch, fetched = halo.fetch_time(x, strategy.inputs[0], y.shape, _stencils(node), ctx, backward)
+    ws = local_shape(w.shape, strategy.inputs[1], ctx.mesh.sizes, ctx.coord0)
+    ys = local_shape(y.shape, strategy.outputs[0], ctx.mesh.sizes, ctx.coord0)
+    moved = (math.prod(fetched) + math.prod(ws) + math.prod(ys)) * x.dtype.itemsize
+    conv_time = roofline_time(flops(node.target, [fetched, ws], [ys]), moved, x.dtype, ctx.device, "conv")
+    t = conv_time * (1 + (backward_factor(node.target) if backward else 0)) + fetch
+    return float(t), float(math.prod(fetched) * x.dtype.itemsize if backward else 0)
 
 
-registry.add(registry.Kernel(HALO, _halo_call, _halo_traffic, _halo_cost))
+registry.add(registry.Kernel(HALO, _halo_call, halo.traffic, _halo_cost))

@@ -1,14 +1,17 @@
 """Rules for pooling and nearest upsampling: shard a batch or channel dim, or whole windows of a spatial one.
 
 These ops work on each (sample, channel) plane alone, so any leading dim shards for free. A
-spatial dim shards where each output point reads only points of its own shard:
-  - max and average pooling over windows that tile the input (stride == kernel, no padding,
-    dilation or ceil mode), where every rank's chunk holds whole windows;
-  - nearest upsampling by a power of two (exact in floating point, as torch computes the source
-    index), where every rank's output chunk is its input chunk repeated; the kernel
+spatial dim shards:
+  - for max and average pooling over windows that tile the input (stride == kernel, no padding,
+    dilation or ceil mode), where every rank's chunk holds whole windows, with no communication;
+  - for other max and average pooling windows (a ResNet stem's 3x3 stride-2 max pool with
+    padding 1), through kernel "halo_pool": each rank fetches the rows its output rows read
+    (rules/halo.py), padded with -inf (max) or zeros (average, counting the padding);
+  - for nearest upsampling by a power of two (exact in floating point, as torch computes the
+    source index), where every rank's output chunk is its input chunk repeated; the kernel
     "local_upsample" passes the local output size (the captured call's is the global one).
-Overlapping windows (a 3x3 max pool with padding) would need halos, and adaptive pooling to a
-point reduces a whole plane: they run batch- or channel-sharded or whole.
+Adaptive pooling to a point reduces a whole plane, and ceil mode or an average that does not
+count its padding changes the windows at the edges: they run batch- or channel-sharded or whole.
 """
 
 from __future__ import annotations
@@ -16,13 +19,19 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+import math
+
+from ...cost_model.compute import memory_time
 from ...kernels import registry
+from ...kernels.halo import halo_pool
 from ...placements import chunks_align, local_shape
+from . import halo
 from .base import AxisOption, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
 UPSAMPLE = "local_upsample"
+HALO_POOL = "halo_pool"
 
 _MAX_POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3}
 _AVG_POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
@@ -39,6 +48,7 @@ def pool(node, mesh, candidates):
     y = y[0] if isinstance(y, (tuple, list)) else y
     spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
     windows = _tiling_windows(node, x.shape, y.shape, spatial)
+    overlapping = {d: m for d, m in _pool_windows(node, spatial).items() if d not in windows}
 
     def options(n):
         opts = [AxisOption((R,), (R,) * _outputs(node))]
@@ -47,6 +57,7 @@ def pool(node, mesh, candidates):
                      for d in range(spatial[0]) if x.shape[d] >= n]
             opts += [AxisOption((Shard(d),), (Shard(d),), kernel=_kernel(node), note="whole windows")
                      for d in windows if min(x.shape[d], y.shape[d]) >= n]
+            opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_POOL, note="rows and halos") for d in overlapping]
         return opts
 
     def tiles(strategy) -> bool:
@@ -57,7 +68,8 @@ def pool(node, mesh, candidates):
                 return False
         return True
 
-    return [s for s in per_axis(mesh, options) if tiles(s)]
+    return [s for s in per_axis(mesh, options) if tiles(s) and halo.one_axis_each(s.inputs[0], overlapping)
+            and halo.nonempty(x.shape, y.shape, overlapping, mesh.sizes, s.inputs[0])]
 
 
 def _outputs(node) -> int:
@@ -70,19 +82,38 @@ def _kernel(node) -> str:
 
 def _tiling_windows(node, x_shape, y_shape, spatial) -> dict[int, int]:
     """{spatial dim: points of the finer side per point of the coarser} where windows tile it exactly."""
-    args = list(node.args) + [None] * 6
     if node.target in _NEAREST:
         out = {d: y_shape[d] // x_shape[d] for d in spatial if y_shape[d] % x_shape[d] == 0}
         return {d: s for d, s in out.items() if s & (s - 1) == 0}  # a power of two: 1 / s is exact
     if node.target not in _MAX_POOLS and node.target not in _AVG_POOLS:
         return {}
-    kernel, stride, padding = (_per_dim(args[i], len(spatial)) for i in (1, 2, 3))
-    stride = stride or kernel
-    dilation = _per_dim(args[4], len(spatial)) if node.target in _MAX_POOLS else [1] * len(spatial)
-    ceil_mode = args[5] if node.target in _MAX_POOLS else args[4]
+    kernel, stride, padding, dilation, ceil_mode = _pool_args(node, len(spatial))
     if ceil_mode or any(padding) or any(d != 1 for d in dilation):
         return {}
     return {d: k for d, k, s in zip(spatial, kernel, stride) if k == s and x_shape[d] == k * y_shape[d]}
+
+
+def _pool_args(node, n: int):
+    """(kernel, stride, padding, dilation, ceil mode) of a max or average pooling, one entry per dim."""
+    args = list(node.args) + [None] * 6
+    kernel, stride, padding = (_per_dim(args[i], n) for i in (1, 2, 3))
+    dilation = _per_dim(args[4], n) if node.target in _MAX_POOLS else []
+    ceil_mode = args[5] if node.target in _MAX_POOLS else args[4]
+    return kernel, stride or kernel, padding or [0] * n, dilation or [1] * n, bool(ceil_mode)
+
+
+def _pool_windows(node, spatial) -> dict[int, halo.RowMap]:
+    """The input rows each output row of a max or average pooling reads, where fetching them and
+    pooling unpadded gives the single-device result: not in ceil mode, not an average that leaves
+    its padding out of the count or overrides the divisor."""
+    if node.target not in _MAX_POOLS and node.target not in _AVG_POOLS:
+        return {}
+    kernel, stride, padding, dilation, ceil_mode = _pool_args(node, len(spatial))
+    args = list(node.args) + [None] * 7
+    counts_padding = node.target in _MAX_POOLS or ((args[5] is None or args[5]) and args[6] is None)
+    if ceil_mode or not (counts_padding or not any(padding)):
+        return {}
+    return {d: halo.windows(s, p, dil * (k - 1)) for d, k, s, p, dil in zip(spatial, kernel, stride, padding, dilation)}
 
 
 def _per_dim(v, n: int) -> list[int]:
@@ -103,3 +134,28 @@ def _upsample(node, spec, rank, local_inputs):
 
 
 registry.add(registry.Kernel(UPSAMPLE, _upsample))
+
+
+def _halo_pool_call(node, spec, rank, local_inputs):
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
+    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _pool_windows(node, spatial), rank.mesh.sizes)
+    kernel, stride, padding, *_ = _pool_args(node, len(spatial))
+    fill = float("-inf") if node.target in _MAX_POOLS else 0.0
+    return halo_pool, (local_inputs[0], kernel, stride, padding, *node.args[4:]), dict(
+        op=node.target, fetches=tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found), fill=fill)
+
+
+def _halo_pool_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
+    """Reading the fetched rows and writing the output (twice with the backward), and the fetches."""
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
+    backward = ctx.training and grad
+    fetch, fetched = halo.fetch_time(x, strategy.inputs[0], y.shape, _pool_windows(node, spatial), ctx, backward)
+    ys = local_shape(y.shape, strategy.outputs[0], ctx.mesh.sizes, ctx.coord0)
+    moved = (math.prod(fetched) + math.prod(ys)) * x.dtype.itemsize
+    t = float(memory_time(moved, ctx.device)) * (2 if backward else 1) + fetch
+    return t, float(math.prod(fetched) * x.dtype.itemsize if backward else 0)
+
+
+registry.add(registry.Kernel(HALO_POOL, _halo_pool_call, halo.traffic, _halo_pool_cost))

@@ -1,0 +1,93 @@
+"""What the rules of ops that read other ranks' rows share: which rows each rank fetches, the bytes
+that moves, and the time it takes (kernels/halo.py runs it).
+
+A node's spatial dim d, sharded over one mesh axis, is described by a `RowMap`: for the chunk
+sizes of its output rows, every rank's wanted input rows (`Runs`, global indices; outside the
+dim: the op's padding). A window op (convolution, pooling) reads a window per output row; a
+padding reads one mapped row per output row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch.distributed.tensor import Shard
+
+from ...ir import GLOBAL, PLACEMENTS
+from ...kernels.halo import Runs, fetch_pieces, window_runs
+from ...placements import chunk_sizes, local_shape
+
+RowMap = Callable[[tuple[int, ...]], tuple[Runs, ...]]  # output chunk sizes -> every rank's wanted rows
+
+
+def windows(stride: int, padding: int, reach: int) -> RowMap:
+    """Output row i reads input rows stride x i - padding ... + reach."""
+    return lambda out_sizes: window_runs(out_sizes, stride, padding, reach)
+
+
+def one_axis_each(placements, dims) -> bool:
+    """Is every one of `dims` sharded over one mesh axis at most (a fetch runs over one axis)?"""
+    return all(placements.count(Shard(d)) <= 1 for d in dims)
+
+
+def fetches(x_shape, y_shape, placements, maps: dict[int, RowMap], mesh_sizes):
+    """(tensor dim, mesh axis, every rank's wanted rows, input chunk sizes) of each mapped dim the
+    placements shard, in the order they are fetched."""
+    out = []
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim in maps and mesh_sizes[a] > 1:
+            n = mesh_sizes[a]
+            out.append((p.dim, a, maps[p.dim](chunk_sizes(y_shape[p.dim], n)), chunk_sizes(x_shape[p.dim], n)))
+    return out
+
+
+def nonempty(x_shape, y_shape, maps, mesh_sizes, placements) -> bool:
+    """Does every rank hold input and output rows of each fetched dim?"""
+    return all(min(chunk_sizes(x_shape[d], mesh_sizes[a])) > 0 and min(chunk_sizes(y_shape[d], mesh_sizes[a])) > 0
+               for d, a, _, _ in fetches(x_shape, y_shape, placements, maps, mesh_sizes))
+
+
+def _sent_rows(wants, sizes, coord: int, backward: bool) -> int:
+    """Rows rank `coord` sends: those others want from it, or (backward) the gradients of those it got."""
+    if backward:
+        return sum(n for owner, _, n in fetch_pieces(wants[coord], sizes) if owner is not None and owner != coord)
+    return sum(n for j, w in enumerate(wants) if j != coord
+               for owner, _, n in fetch_pieces(w, sizes) if owner == coord)
+
+
+def fetch_bytes(shape, itemsize: int, steps, coords, backward: bool) -> tuple[list[int], list[int]]:
+    """(bytes sent, fetched shape) per step: steps of (dim, wants, sizes), coords this rank's on each."""
+    shape, sent = list(shape), []
+    for (d, wants, sizes), c in zip(steps, coords):
+        sent.append(math.prod(shape) // max(shape[d], 1) * itemsize * _sent_rows(wants, sizes, c, backward))
+        shape[d] = sum(n for _, n in wants[c])
+    return sent, shape
+
+
+def traffic(node, rank, backward) -> list[tuple[str, int]]:
+    """A rewritten fetching node's bytes: one all-to-all per fetched dim (every rank takes part, even
+    sending nothing), and again for the rows' gradients when its input takes one."""
+    x = node.args[0]
+    val = x.meta[GLOBAL]
+    shape = local_shape(val.shape, x.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)
+    steps = [(d, wants, sizes) for d, wants, sizes, _ in node.kwargs["fetches"]]
+    coords = [axis.coord for *_, axis in node.kwargs["fetches"]]
+    passes = (False, True) if x in backward else (False,)
+    return [("send_recv", b) for back in passes for b in fetch_bytes(shape, val.dtype.itemsize, steps, coords, back)[0]]
+
+
+def fetch_time(x, placements, y_shape, maps, ctx, backward: bool) -> tuple[float, list[int]]:
+    """Seconds of the fetches on the busiest rank of each axis (and its gradients' when `backward`),
+    and the largest fetched local shape."""
+    sizes = ctx.mesh.sizes
+    found = fetches(tuple(x.shape), tuple(y_shape), placements, maps, sizes)
+    shape = list(local_shape(x.shape, placements, sizes, ctx.coord0))
+    t = 0.0
+    for d, a, wants, chunks in found:
+        row = math.prod(shape) // max(shape[d], 1) * x.dtype.itemsize
+        for back in (False, True) if backward else (False,):
+            rows = max(_sent_rows(wants, chunks, c, back) for c in range(sizes[a]))
+            t += ctx.collective_time("send_recv", rows * row, a)
+        shape[d] = max(sum(n for _, n in w) for w in wants)
+    return t, shape
