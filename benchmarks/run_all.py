@@ -30,6 +30,7 @@ RUNS = {
     "published": {"full": [], "quick": ["--only", "torchtitan-8b-fsdp8"], "tiny": ["--tiny"]},
     "jigsaw_runs": {"full": [], "quick": [], "tiny": ["--tiny"]},
     "relaxations": {"full": [], "quick": ["--only", "mixer"], "tiny": ["--tiny"]},
+    "cnn_domain": {"full": [], "quick": [], "tiny": ["--tiny"]},
     # gloo on local ranks: minutes; the smoke test would not afford them
     "vs_transformers_tp": {"full": [], "quick": ["--reps", "3"], "tiny": None},
     "gloo_links": {"full": [], "quick": ["--worlds", "2", "--reps", "5"], "tiny": None},

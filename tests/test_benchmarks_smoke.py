@@ -21,7 +21,7 @@ def test_run_all_tiny(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run_all", "--tiny"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for name in ("step_time", "scaling", "gpu_overhead", "published", "jigsaw_runs", "benchmarks"):
+    for name in ("step_time", "scaling", "gpu_overhead", "published", "jigsaw_runs", "cnn_domain", "benchmarks"):
         text = (tmp_path / f"{name}.md").read_text()
         assert "|" in text, f"{name}.md has no table:\n{text}"
     step = (tmp_path / "step_time.md").read_text()

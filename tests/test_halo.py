@@ -235,3 +235,31 @@ def test_periodic_and_mirrored_padding_fetch_the_rows_they_copy(ranks4, mesh, la
     kernels = {plan.node(n).kernel for n in names}
     assert kernels == {"halo_pad", "halo_conv"}, [(n, plan.node(n).kernel) for n in names]
     assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
+
+
+class Decoder(nn.Module):
+    """Upsampling as decoders write it: nearest by 2 on sizes whose chunks do not line up (10 rows over 4
+    ranks: 3, 3, 3, 1, and 20 output rows: 5 each; 5 columns over 2: 3 + 2, and 10: 5 + 5), bilinear, and
+    the transposed convolutions of GAN and VAE decoders (4x4 stride 2 padding 1; 3x3 stride 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.up = nn.ConvTranspose2d(3, 3, 4, stride=2, padding=1)
+        self.smooth = nn.ConvTranspose2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+        x = F.interpolate(torch.tanh(self.conv(x)), scale_factor=2.0, mode="bilinear")
+        return self.smooth(torch.tanh(self.up(x)))
+
+
+@pytest.mark.parametrize("mesh, layout", [({"domain": 4}, "S(2)"), ({"domain": 2, "tensor": 2}, "S(2),S(3)")],
+                         ids=["rows-4", "rows-columns-2x2"])
+def test_upsampling_and_transposed_convolutions_fetch_their_rows(ranks4, mesh, layout):
+    x = torch.randn(1, 2, 10, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
+    make = partial(seeded, Decoder, F64)
+    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(("upsample", "conv"))]
+    plan = pinned_plan(make(), (x,), mesh, {n: (lambda s: format_placements(s.inputs[0]) == layout) for n in names})
+    assert [plan.node(n).kernel for n in names] == ["halo_resample", "halo_conv"] * 2 + ["halo_conv"], names
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)

@@ -14,6 +14,7 @@ stencil also gets its corners.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -28,17 +29,14 @@ c10d = torch.ops._c10d_functional
 Runs = tuple[tuple[int, int], ...]  # (first global row, number of rows) in the order they are wanted
 
 
-def _starts(sizes) -> list[int]:
-    out, at = [], 0
-    for s in sizes:
-        out.append(at)
-        at += s
-    return out
+def row_starts(sizes) -> list[int]:
+    """The first global row of each chunk of `sizes`."""
+    return list(itertools.accumulate(sizes, initial=0))[:-1]
 
 
 def fetch_pieces(runs: Runs, sizes) -> list[tuple[int | None, int, int]]:
     """The runs split by owner: (owning rank or None for fill, first row in the owner's chunk, rows)."""
-    starts, total = _starts(sizes), sum(sizes)
+    starts, total = row_starts(sizes), sum(sizes)
     out = []
     for start, length in runs:
         row, end = start, start + length
@@ -77,7 +75,7 @@ class _FetchRows(torch.autograd.Function):
         sends = [[(first, n) for owner, first, n in fetch_pieces(wants[j], sizes) if owner == me] for j in range(axis.size)]
         recv_rows = [sum(n for owner, _, n in mine if owner == j != me) for j in range(axis.size)]
         got = _exchange(rows, sends, recv_rows, axis).view(-1, *rows.shape[1:])
-        at = dict(zip(range(axis.size), _starts(recv_rows)))
+        at = dict(zip(range(axis.size), row_starts(recv_rows)))
         out = []
         for owner, first, n in mine:
             if owner is None:
@@ -132,13 +130,6 @@ def fetch_rows(x: torch.Tensor, *, dim: int, wants: tuple[Runs, ...], sizes: tup
     return _FetchRows.apply(x, dim, wants, sizes, axis, fill)
 
 
-def window_runs(out_sizes, stride: int, padding: int, reach: int) -> tuple[Runs, ...]:
-    """Each rank's input rows for its chunk of output rows of a window op: output row i reads
-    input rows stride x i - padding ... + reach (the padding's rows lie outside the dim)."""
-    return tuple(((stride * o - padding, stride * (n - 1) + reach + 1),) if n else ()
-                 for o, n in zip(_starts(out_sizes), out_sizes))
-
-
 def halo_conv(x, weight, bias=None, *, stride, padding, dilation, groups: int,
               fetches: tuple[tuple[int, tuple[Runs, ...], tuple[int, ...], MeshAxis], ...]) -> torch.Tensor:
     """A convolution of this rank's chunk: each dim of `fetches` (tensor dim, every rank's wanted
@@ -149,6 +140,22 @@ def halo_conv(x, weight, bias=None, *, stride, padding, dilation, groups: int,
         padding[dim - 2] = 0
     conv = (F.conv1d, F.conv2d, F.conv3d)[x.ndim - 3]
     return conv(x, weight, bias, stride, padding, dilation, groups)
+
+
+def halo_conv_transpose(x, weight, bias=None, *, stride, padding, output_padding, groups: int, dilation,
+                        fetches, crops) -> torch.Tensor:
+    """A transposed convolution of this rank's chunk: each dim of `fetches` fetched (the input rows
+    whose scatter reaches this rank's output rows, zeros past the edges), transposed-convolved
+    unpadded, and of each dim of `crops` (dim, first row, rows) this rank's output rows kept."""
+    padding, output_padding = list(padding), list(output_padding)
+    for dim, wants, sizes, axis in fetches:
+        x = fetch_rows(x, dim=dim, wants=wants, sizes=sizes, axis=axis)
+        padding[dim - 2] = output_padding[dim - 2] = 0
+    conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[x.ndim - 3]
+    y = conv(x, weight, bias, stride, padding, output_padding, groups, dilation)
+    for dim, start, rows in crops:
+        y = y.narrow(dim, start, rows)
+    return y
 
 
 def halo_pool(x, kernel_size, stride, padding, *rest, op, fetches, fill: float):
@@ -171,3 +178,20 @@ def halo_pad(x, pad, *, mode: str, value, fetches):
         k = x.ndim - 1 - dim  # pad's pairs run from the last dim
         pad[2 * k] = pad[2 * k + 1] = 0
     return F.pad(x, pad, mode=mode, value=value) if any(pad) else x
+
+
+def halo_resample(x, *, op, align_corners, out_size: tuple[int, ...], fetches, crops):
+    """Nearest or linear upsampling (aten `op`) of this rank's chunk: each dim of `fetches` fetched
+    (linear: with a neighbour row each side, copies of the edge row past the dim's ends), the
+    fetched rows upsampled by the same power of two, and of each dim of `crops` (dim, scale, first
+    row, rows) the rows of this rank's output chunk kept. `out_size`: the spatial dims' global sizes."""
+    for dim, wants, sizes, axis in fetches:
+        x = fetch_rows(x, dim=dim, wants=wants, sizes=sizes, axis=axis)
+    first = x.ndim - len(out_size)
+    size = list(out_size)
+    for dim, scale, _, _ in crops:
+        size[dim - first] = scale * x.shape[dim]
+    y = op(x, size, None) if align_corners is None else op(x, size, align_corners, None)
+    for dim, _, start, rows in crops:
+        y = y.narrow(dim, start, rows)
+    return y

@@ -30,10 +30,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ...cost_model.compute import backward_factor, flops, memory_time, roofline_time
 from ...kernels import registry
-from ...kernels.halo import halo_conv
+from ...kernels.halo import halo_conv, halo_conv_transpose
 from . import halo
 from ...kernels.patch_gemm import patch_conv, patch_conv_transpose
-from ...placements import chunks_align, local_shape
+from ...placements import chunks_align, local_offset, local_shape
 from .base import AxisOption, per_axis, register
 from .matmul import trim_options
 
@@ -56,7 +56,7 @@ def conv(node, mesh, candidates):
     has_bias = len(candidates) == 3
     spatial = range(2, x.ndim)
     patches = _patch_dims(node)
-    stencils = {} if transposed else _stencils(node)
+    stencils = _stencils(node)
     w_out, w_in = (1, 0) if transposed else (0, 1)  # the weight dims of out and in channels
 
     def options(n):
@@ -128,13 +128,16 @@ def _patch_dims(node) -> list[int]:
 
 
 def _stencils(node) -> dict[int, halo.RowMap]:
-    """The input rows each output row reads, on every spatial dim but whole patches' (the patch rule's)."""
-    stride, _, dilation, *_ = _conv_args(node)
+    """The input rows each output row reads (a transposed convolution: whose scatter reaches it), on
+    every spatial dim but whole patches' (the patch rule's)."""
+    stride, _, dilation, transposed, _, output_padding = _conv_args(node)
     padding, w, patches = _padding(node), node.args[1].meta["val"], _patch_dims(node)
     if padding is None:  # "same" with an even kernel pads one side more
         return {}
-    return {d: halo.windows(stride[d - 2], padding[d - 2], dilation[d - 2] * (w.shape[d] - 1))
-            for d in range(2, w.ndim) if d not in patches}
+    rows = halo.scattered if transposed else halo.windows
+    # a transposed convolution's output padding adds rows nothing scatters to: left whole
+    return {d: rows(stride[d - 2], padding[d - 2], dilation[d - 2] * (w.shape[d] - 1))
+            for d in range(2, w.ndim) if d not in patches and not output_padding[d - 2]}
 
 
 def _patches_align(x_pl, fine_shape, coarse_shape, w_shape, mesh, patches) -> bool:
@@ -179,12 +182,19 @@ registry.add(registry.Kernel(PATCH_GEMM, _patch_gemm_call, None, _patch_gemm_cos
 
 
 def _halo_call(node, spec, rank, local_inputs):
-    stride, _, dilation, _, groups, _ = _conv_args(node)
+    stride, _, dilation, transposed, groups, output_padding = _conv_args(node)
     x, y = node.args[0].meta["val"], node.meta["val"]
     found = halo.fetches(x.shape, y.shape, spec.inputs[0], _stencils(node), rank.mesh.sizes)
     fetches = tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found)
-    return halo_conv, tuple(local_inputs), dict(stride=stride, padding=_padding(node), dilation=dilation,
-                                                 groups=groups, fetches=fetches)
+    kwargs = dict(stride=stride, padding=_padding(node), dilation=dilation, groups=groups, fetches=fetches)
+    if not transposed:
+        return halo_conv, tuple(local_inputs), kwargs
+    # the fetched rows' scatter starts at output row stride x first - padding: keep this rank's from there
+    offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    ys = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    crops = tuple((d, offset[d] - (stride[d - 2] * wants[rank.coord[a]][0][0] - kwargs["padding"][d - 2]), ys[d])
+                  for d, a, wants, _ in found)
+    return halo_conv_transpose, tuple(local_inputs), {**kwargs, "output_padding": output_padding, "crops": crops}
 
 
 def _halo_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:

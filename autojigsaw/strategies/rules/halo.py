@@ -15,15 +15,47 @@ from collections.abc import Callable
 from torch.distributed.tensor import Shard
 
 from ...ir import GLOBAL, PLACEMENTS
-from ...kernels.halo import Runs, fetch_pieces, window_runs
+from ...kernels.halo import Runs, fetch_pieces, row_starts
 from ...placements import chunk_sizes, local_shape
 
 RowMap = Callable[[tuple[int, ...]], tuple[Runs, ...]]  # output chunk sizes -> every rank's wanted rows
 
 
 def windows(stride: int, padding: int, reach: int) -> RowMap:
-    """Output row i reads input rows stride x i - padding ... + reach."""
-    return lambda out_sizes: window_runs(out_sizes, stride, padding, reach)
+    """Output row i reads input rows stride x i - padding ... + reach (a convolution, a pooling)."""
+    return lambda out_sizes: tuple(((stride * o - padding, stride * (n - 1) + reach + 1),) if n else ()
+                                   for o, n in zip(row_starts(out_sizes), out_sizes))
+
+
+def scattered(stride: int, padding: int, reach: int) -> RowMap:
+    """Input row j reaches output rows stride x j - padding ... + reach (a transposed convolution): the
+    input rows that reach each rank's output rows."""
+    def runs(out_sizes):
+        out = []
+        for o, n in zip(row_starts(out_sizes), out_sizes):
+            first, last = -((reach - o - padding) // stride), (o + n - 1 + padding) // stride  # ceil, floor
+            out.append(((first, last - first + 1),) if n else ())
+        return tuple(out)
+
+    return runs
+
+
+def mapped(source: Callable[[int], int]) -> RowMap:
+    """Output row j reads input row source(j) (negative: the op's constant), as runs of consecutive rows."""
+    def runs(out_sizes):
+        out, start = [], 0
+        for n in out_sizes:
+            mine: list[list[int]] = []
+            for i in map(source, range(start, start + n)):
+                if mine and i == mine[-1][0] + mine[-1][1] and (i >= 0) == (mine[-1][0] >= 0):
+                    mine[-1][1] += 1
+                else:
+                    mine.append([i, 1])
+            out.append(tuple((a, b) for a, b in mine))
+            start += n
+        return tuple(out)
+
+    return runs
 
 
 def one_axis_each(placements, dims) -> bool:

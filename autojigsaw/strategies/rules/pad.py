@@ -72,24 +72,7 @@ def _source(mode: str, before: int, size: int):
 
 
 def _row_map(mode: str, before: int, size: int) -> halo.RowMap:
-    """Every rank's wanted input rows for its chunk of the padded dim, as runs of consecutive rows."""
-    source = _source(mode, before, size)
-
-    def runs(out_sizes):
-        out, start = [], 0
-        for n in out_sizes:
-            rows = [source(j) for j in range(start, start + n)]
-            start += n
-            mine: list[list[int]] = []
-            for i in rows:
-                if mine and i == mine[-1][0] + mine[-1][1] and (i >= 0) == (mine[-1][0] >= 0):
-                    mine[-1][1] += 1
-                else:
-                    mine.append([i, 1])
-            out.append(tuple((a, b) for a, b in mine))
-        return tuple(out)
-
-    return runs
+    return halo.mapped(_source(mode, before, size))
 
 
 def _halo_pad_call(node, spec, rank, local_inputs):

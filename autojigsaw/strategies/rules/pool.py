@@ -1,4 +1,4 @@
-"""Rules for pooling and nearest upsampling: shard a batch or channel dim, or whole windows of a spatial one.
+"""Rules for pooling: shard a batch or channel dim, or the windows of a spatial one.
 
 These ops work on each (sample, channel) plane alone, so any leading dim shards for free. A
 spatial dim shards:
@@ -7,9 +7,6 @@ spatial dim shards:
   - for other max and average pooling windows (a ResNet stem's 3x3 stride-2 max pool with
     padding 1), through kernel "halo_pool": each rank fetches the rows its output rows read
     (rules/halo.py), padded with -inf (max) or zeros (average, counting the padding);
-  - for nearest upsampling by a power of two (exact in floating point, as torch computes the
-    source index), where every rank's output chunk is its input chunk repeated; the kernel
-    "local_upsample" passes the local output size (the captured call's is the global one).
 Adaptive pooling to a point reduces a whole plane, and ceil mode or an average that does not
 count its padding changes the windows at the edges: they run batch- or channel-sharded or whole.
 """
@@ -30,7 +27,6 @@ from .base import AxisOption, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
-UPSAMPLE = "local_upsample"
 HALO_POOL = "halo_pool"
 
 _MAX_POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3}
@@ -38,8 +34,7 @@ _AVG_POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_p
 _ADAPTIVE = {aten.adaptive_avg_pool1d.default: 1, aten.adaptive_avg_pool2d.default: 2,
              aten.adaptive_avg_pool3d.default: 3, aten.adaptive_max_pool2d.default: 2,
              aten.adaptive_max_pool3d.default: 3}
-_NEAREST = {aten.upsample_nearest1d.vec: 1, aten.upsample_nearest2d.vec: 2, aten.upsample_nearest3d.vec: 3}
-_SPATIAL = {**_MAX_POOLS, **_AVG_POOLS, **_ADAPTIVE, **_NEAREST}
+_SPATIAL = {**_MAX_POOLS, **_AVG_POOLS, **_ADAPTIVE}
 
 
 @register(*_SPATIAL)
@@ -55,7 +50,7 @@ def pool(node, mesh, candidates):
         if n > 1:
             opts += [AxisOption((Shard(d),), (Shard(d),) * _outputs(node), note="planes")
                      for d in range(spatial[0]) if x.shape[d] >= n]
-            opts += [AxisOption((Shard(d),), (Shard(d),), kernel=_kernel(node), note="whole windows")
+            opts += [AxisOption((Shard(d),), (Shard(d),), note="whole windows")
                      for d in windows if min(x.shape[d], y.shape[d]) >= n]
             opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_POOL, note="rows and halos") for d in overlapping]
         return opts
@@ -63,8 +58,7 @@ def pool(node, mesh, candidates):
     def tiles(strategy) -> bool:
         for d, window in windows.items():
             parts = [n for n, p in zip(mesh.sizes, strategy.inputs[0]) if p == Shard(d) and n > 1]
-            fine, coarse = (x.shape[d], y.shape[d]) if node.target not in _NEAREST else (y.shape[d], x.shape[d])
-            if parts and not chunks_align(fine, coarse, window, parts):
+            if parts and not chunks_align(x.shape[d], y.shape[d], window, parts):
                 return False
         return True
 
@@ -76,15 +70,8 @@ def _outputs(node) -> int:
     return 2 if isinstance(node.meta["val"], (tuple, list)) else 1
 
 
-def _kernel(node) -> str:
-    return UPSAMPLE if node.target in _NEAREST else "local"
-
-
 def _tiling_windows(node, x_shape, y_shape, spatial) -> dict[int, int]:
     """{spatial dim: points of the finer side per point of the coarser} where windows tile it exactly."""
-    if node.target in _NEAREST:
-        out = {d: y_shape[d] // x_shape[d] for d in spatial if y_shape[d] % x_shape[d] == 0}
-        return {d: s for d, s in out.items() if s & (s - 1) == 0}  # a power of two: 1 / s is exact
     if node.target not in _MAX_POOLS and node.target not in _AVG_POOLS:
         return {}
     kernel, stride, padding, dilation, ceil_mode = _pool_args(node, len(spatial))
@@ -123,17 +110,6 @@ def _per_dim(v, n: int) -> list[int]:
     if isinstance(v, int):
         return [v] * n
     return list(v) * n if len(v) == 1 else list(v)
-
-
-def _upsample(node, spec, rank, local_inputs):
-    """upsample_nearest to this rank's output chunk (the captured call may name the global size)."""
-    y = node.meta["val"]
-    size = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
-    k = _SPATIAL[node.target]
-    return node.target, (local_inputs[0], list(size[-k:]), None), {}
-
-
-registry.add(registry.Kernel(UPSAMPLE, _upsample))
 
 
 def _halo_pool_call(node, spec, rank, local_inputs):
