@@ -14,8 +14,10 @@ stencil also gets its corners.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,72 +54,133 @@ def fetch_pieces(runs: Runs, sizes) -> list[tuple[int | None, int, int]]:
     return out
 
 
-def _exchange(x: torch.Tensor, sends: list[list[tuple[int, int]]], recv_rows: list[int],
-              axis: MeshAxis) -> torch.Tensor:
-    """Rows of x (dim 0) to other ranks, sends[j] = (first row, rows) pieces for rank j; the rows
-    received from each rank, concatenated in rank order."""
-    row = math.prod(x.shape[1:])
-    parts = [x.narrow(0, first, n) for j, pieces in enumerate(sends) if j != axis.coord for first, n in pieces]
-    buf = torch.cat([p.reshape(-1) for p in parts]) if parts else x.new_zeros(0)
-    send = [0 if j == axis.coord else sum(n for _, n in sends[j]) * row for j in range(axis.size)]
-    recv = [0 if j == axis.coord else recv_rows[j] * row for j in range(axis.size)]
+@dataclass(frozen=True)
+class FetchLayout:
+    """Who sends which rows to whom, the same on every rank: one block of rows per rank shift.
+
+    Rank r gets the rows it wants from rank (r + shift) % n in the block of that shift, padded to
+    the block's rows on every rank (so that every rank's buffers have the same shapes, and a
+    compiled step schedules the same collectives on every rank: torch.compile may reorder ops
+    whose shapes differ by rank). Edge ranks send their blocks around the ring, unread.
+    """
+
+    pieces: tuple[tuple[tuple[int | None, int, int], ...], ...]  # per rank: fetch_pieces of its wants
+    shifts: tuple[int, ...]  # (owner - receiver) % n of every piece that crosses ranks, ascending
+    block: tuple[int, ...]  # rows of each shift's block
+
+    @property
+    def rows_sent(self) -> int:
+        """Rows every rank sends (and receives) in one exchange, padding included."""
+        return sum(self.block)
+
+
+@functools.lru_cache(maxsize=256)
+def fetch_layout(wants: tuple[Runs, ...], sizes: tuple[int, ...]) -> FetchLayout:
+    n = len(sizes)
+    pieces = tuple(tuple(fetch_pieces(w, sizes)) for w in wants)
+    count: dict[int, list[int]] = {}
+    for r, mine in enumerate(pieces):
+        for owner, _, rows in mine:
+            if owner is not None and owner != r:
+                count.setdefault((owner - r) % n, [0] * n)[r] += rows
+    shifts = tuple(sorted(count))
+    return FetchLayout(pieces, shifts, tuple(max(count[s]) for s in shifts))
+
+
+def _blocks(layout: FetchLayout, me: int, n: int, outgoing: bool) -> list[tuple[int, int, int]]:
+    """(peer, shift, rows) of the blocks this rank sends (outgoing) or receives, in buffer order: by
+    peer, then shift, as all_to_all_single lays them out on both sides."""
+    out = [((me - s) % n if outgoing else (me + s) % n, s, rows) for s, rows in zip(layout.shifts, layout.block)]
+    return sorted(out)
+
+
+def _exchange(blocks: dict[int, torch.Tensor], layout: FetchLayout, axis: MeshAxis, forward: bool,
+              row_shape) -> dict[int, torch.Tensor]:
+    """One all-to-all of a block of rows per shift; forward: block s goes to rank (me - s) % n and
+    comes from (me + s) % n; backward, the other way. Returns the received blocks by shift (none,
+    without a collective, where no rank wants another's rows: the layout is the same on all)."""
+    n, me = axis.size, axis.coord
+    if not layout.shifts:
+        return {}
+    sends, recvs = _blocks(layout, me, n, forward), _blocks(layout, me, n, not forward)
+    row = math.prod(row_shape)
+    buf = torch.cat([blocks[s].reshape(-1) for _, s, _ in sends])
+    send, recv = [0] * n, [0] * n
+    for peer, _, rows in sends:
+        send[peer] += rows * row
+    for peer, _, rows in recvs:
+        recv[peer] += rows * row
     record("send_recv", axis, buf)
-    return waited("send_recv", axis, lambda: c10d.all_to_all_single(buf.contiguous(), recv, send, axis.group))
+    got = waited("send_recv", axis, lambda: c10d.all_to_all_single(buf.contiguous(), recv, send, axis.group))
+    out, at = {}, 0
+    for _, s, rows in recvs:
+        out[s] = got.narrow(0, at, rows * row).view(rows, *row_shape)
+        at += rows * row
+    return out
+
+
+def _padded(parts: list[torch.Tensor], rows: int, like: torch.Tensor) -> torch.Tensor:
+    """`parts` stacked, then padding rows (never read) up to `rows`.
+
+    The padding repeats `like`'s first row rather than being zeros: a block that is all padding on
+    one rank must still depend on the step's data there, or a compiled backward moves its
+    collective into the forward on that rank only, out of step with the others (zeros, even
+    0 x a row, are folded into a constant).
+    """
+    have = sum(p.shape[0] for p in parts)
+    if have == rows:
+        return torch.cat(parts)
+    return torch.cat(parts + [like.narrow(0, 0, 1).expand(rows - have, *like.shape[1:])])
 
 
 class _FetchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, wants, sizes, axis, fill):
-        ctx.args = (dim, wants, sizes, axis, x.shape)
-        rows = x.movedim(dim, 0)
-        me = axis.coord
-        mine = fetch_pieces(wants[me], sizes)
-        sends = [[(first, n) for owner, first, n in fetch_pieces(wants[j], sizes) if owner == me] for j in range(axis.size)]
-        recv_rows = [sum(n for owner, _, n in mine if owner == j != me) for j in range(axis.size)]
-        got = _exchange(rows, sends, recv_rows, axis).view(-1, *rows.shape[1:])
-        at = dict(zip(range(axis.size), row_starts(recv_rows)))
+        layout = fetch_layout(wants, sizes)
+        ctx.args = (dim, layout, axis, x.shape)
+        rows, n, me = x.movedim(dim, 0), axis.size, axis.coord
+        # block s: the rows that rank (me - s) % n wants from me, in its order
+        outgoing = {s: _padded([rows.narrow(0, first, k) for owner, first, k in layout.pieces[(me - s) % n]
+                                if owner == me], b, rows) for s, b in zip(layout.shifts, layout.block)}
+        got = _exchange(outgoing, layout, axis, True, rows.shape[1:])
+        at = dict.fromkeys(layout.shifts, 0)
         out = []
-        for owner, first, n in mine:
+        for owner, first, k in layout.pieces[me]:
             if owner is None:
-                out.append(rows.new_full((n, *rows.shape[1:]), fill))
+                out.append(rows.new_full((k, *rows.shape[1:]), fill))
             elif owner == me:
-                out.append(rows.narrow(0, first, n))
+                out.append(rows.narrow(0, first, k))
             else:
-                out.append(got.narrow(0, at[owner], n))
-                at[owner] += n
-        return torch.cat(out).movedim(0, dim)
+                s = (owner - me) % n
+                out.append(got[s].narrow(0, at[s], k))
+                at[s] += k
+        # contiguous: the op after it may be one whose compiled backward assumes so
+        return torch.cat(out).movedim(0, dim).contiguous()
 
     @staticmethod
     @differentiable_once
     def backward(ctx, g):
-        dim, wants, sizes, axis, shape = ctx.args
-        grads = g.movedim(dim, 0)
-        me = axis.coord
-        mine = fetch_pieces(wants[me], sizes)
-        # the gradient of each fetched row goes back to its owner: the forward's sends, reversed
-        back = [[] for _ in range(axis.size)]
-        at = 0
-        for owner, first, n in mine:
-            if owner is not None:
-                back[owner].append((at, n))
-            at += n
-        theirs = [[(first, n) for owner, first, n in fetch_pieces(wants[j], sizes) if owner == me] for j in range(axis.size)]
-        got = _exchange(grads, back, [sum(n for _, n in theirs[j]) if j != me else 0 for j in range(axis.size)], axis)
-        got = got.view(-1, *grads.shape[1:])
+        dim, layout, axis, shape = ctx.args
+        grads, n, me = g.movedim(dim, 0), axis.size, axis.coord
+        # the gradient of each fetched row goes back to its owner, in the block it came in
+        back: dict[int, list[torch.Tensor]] = {s: [] for s in layout.shifts}
         dx = grads.new_zeros((shape[dim], *grads.shape[1:]))
         at = 0
-        for j in range(axis.size):
-            for first, n in theirs[j]:
-                if j == me:
-                    continue
-                dx[first:first + n] += got[at:at + n]
-                at += n
-        at = 0
-        for owner, first, n in mine:
+        for owner, first, k in layout.pieces[me]:
             if owner == me:
-                dx[first:first + n] += grads[at:at + n]
-            at += n
-        return dx.movedim(0, dim), None, None, None, None, None
+                dx[first:first + k] += grads[at:at + k]
+            elif owner is not None:
+                back[(owner - me) % n].append(grads[at:at + k])
+            at += k
+        got = _exchange({s: _padded(back[s], b, grads) for s, b in zip(layout.shifts, layout.block)}, layout, axis,
+                        False, grads.shape[1:])
+        for s in layout.shifts:
+            at = 0
+            for owner, first, k in layout.pieces[(me - s) % n]:
+                if owner == me:
+                    dx[first:first + k] += got[s][at:at + k]
+                    at += k
+        return dx.movedim(0, dim).contiguous(), None, None, None, None, None
 
 
 def fetch_rows(x: torch.Tensor, *, dim: int, wants: tuple[Runs, ...], sizes: tuple[int, ...], axis: MeshAxis,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from torch.distributed.tensor import Shard
 
 from ...ir import GLOBAL, PLACEMENTS
-from ...kernels.halo import Runs, fetch_pieces, row_starts
+from ...kernels.halo import Runs, fetch_layout, row_starts
 from ...placements import chunk_sizes, local_shape
 
 RowMap = Callable[[tuple[int, ...]], tuple[Runs, ...]]  # output chunk sizes -> every rank's wanted rows
@@ -80,46 +80,41 @@ def nonempty(x_shape, y_shape, maps, mesh_sizes, placements) -> bool:
                for d, a, _, _ in fetches(x_shape, y_shape, placements, maps, mesh_sizes))
 
 
-def _sent_rows(wants, sizes, coord: int, backward: bool) -> int:
-    """Rows rank `coord` sends: those others want from it, or (backward) the gradients of those it got."""
-    if backward:
-        return sum(n for owner, _, n in fetch_pieces(wants[coord], sizes) if owner is not None and owner != coord)
-    return sum(n for j, w in enumerate(wants) if j != coord
-               for owner, _, n in fetch_pieces(w, sizes) if owner == coord)
-
-
-def fetch_bytes(shape, itemsize: int, steps, coords, backward: bool) -> tuple[list[int], list[int]]:
-    """(bytes sent, fetched shape) per step: steps of (dim, wants, sizes), coords this rank's on each."""
+def fetch_bytes(shape, itemsize: int, steps, coords) -> tuple[list[int], list[int]]:
+    """(bytes every rank sends in each step's exchange, none where no rank wants another's rows;
+    this rank's fetched shape): steps of (dim, wants, sizes), coords this rank's on each step's axis."""
     shape, sent = list(shape), []
     for (d, wants, sizes), c in zip(steps, coords):
-        sent.append(math.prod(shape) // max(shape[d], 1) * itemsize * _sent_rows(wants, sizes, c, backward))
+        layout = fetch_layout(wants, sizes)
+        if layout.shifts:
+            sent.append(math.prod(shape) // max(shape[d], 1) * itemsize * layout.rows_sent)
         shape[d] = sum(n for _, n in wants[c])
     return sent, shape
 
 
 def traffic(node, rank, backward) -> list[tuple[str, int]]:
-    """A rewritten fetching node's bytes: one all-to-all per fetched dim (every rank takes part, even
-    sending nothing), and again for the rows' gradients when its input takes one."""
+    """A rewritten fetching node's bytes: one all-to-all per fetched dim, and again for the rows'
+    gradients when its input takes one."""
     x = node.args[0]
     val = x.meta[GLOBAL]
     shape = local_shape(val.shape, x.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)
     steps = [(d, wants, sizes) for d, wants, sizes, _ in node.kwargs["fetches"]]
     coords = [axis.coord for *_, axis in node.kwargs["fetches"]]
-    passes = (False, True) if x in backward else (False,)
-    return [("send_recv", b) for back in passes for b in fetch_bytes(shape, val.dtype.itemsize, steps, coords, back)[0]]
+    sent = fetch_bytes(shape, val.dtype.itemsize, steps, coords)[0]
+    return [("send_recv", b) for b in sent * (2 if x in backward else 1)]
 
 
 def fetch_time(x, placements, y_shape, maps, ctx, backward: bool) -> tuple[float, list[int]]:
-    """Seconds of the fetches on the busiest rank of each axis (and its gradients' when `backward`),
-    and the largest fetched local shape."""
+    """Seconds of the fetches (twice with the gradients' when `backward`), and the largest fetched
+    local shape."""
     sizes = ctx.mesh.sizes
     found = fetches(tuple(x.shape), tuple(y_shape), placements, maps, sizes)
     shape = list(local_shape(x.shape, placements, sizes, ctx.coord0))
     t = 0.0
     for d, a, wants, chunks in found:
-        row = math.prod(shape) // max(shape[d], 1) * x.dtype.itemsize
-        for back in (False, True) if backward else (False,):
-            rows = max(_sent_rows(wants, chunks, c, back) for c in range(sizes[a]))
-            t += ctx.collective_time("send_recv", rows * row, a)
+        layout = fetch_layout(wants, chunks)
+        if layout.shifts:
+            row = math.prod(shape) // max(shape[d], 1) * x.dtype.itemsize
+            t += ctx.collective_time("send_recv", layout.rows_sent * row, a) * (2 if backward else 1)
         shape[d] = max(sum(n for _, n in w) for w in wants)
     return t, shape
