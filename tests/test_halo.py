@@ -292,3 +292,54 @@ def test_compiled_halos_on_uneven_shards_keep_every_rank_in_step(ranks2):
     plan = pinned_plan(make(), (x,), {"domain": 2}, {n: (lambda s: format_placements(s.inputs[0]) == "S(2)")
                                                      for n in ("conv1d", "conv1d_1", "conv1d_2")})
     assert max(ranks2.run(compiled_step, make, x, plan.to_json(), timeout=600)) <= 1e-10
+
+
+class BatchNormBlock(nn.Module):
+    """A classic U-Net/ResNet block: 3x3 convolutions with BatchNorm (running averages updated), ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                                 nn.Conv2d(4, 2, 3, padding=1, bias=False), nn.BatchNorm2d(2, momentum=0.3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def batch_norm_steps(make, x, mesh_shape, plan_json: str) -> dict:
+    """Two SGD steps beside one device: largest differences of outputs, gradients and running averages."""
+    plan = autojigsaw.Plan.from_json(plan_json)
+    ref = make()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh(mesh_shape, plan.mesh.axis_names), (x,), plan=plan,
+                                    compile=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref)]
+    diffs = dict.fromkeys(("output", "grad", "running"), 0.0)
+    for _ in range(2):
+        out, ref_out = pmodel(x), ref(x)
+        whole = out.full_tensor() if hasattr(out, "full_tensor") else out
+        diffs["output"] = max(diffs["output"], whole.sub(ref_out).abs().max().item())
+        ramp = torch.linspace(0, 1, whole.numel(), dtype=whole.dtype).view(whole.shape)
+        (whole * ramp).sum().backward()
+        (ref_out * ramp).sum().backward()
+        for p, q in zip(pmodel.parameters(), ref.parameters()):
+            diffs["grad"] = max(diffs["grad"], p.grad.full_tensor().sub(q.grad).abs().max().item())
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for (name, b), q in zip(pmodel.named_buffers(), ref.buffers()):
+        if b.is_floating_point():
+            b = b.full_tensor() if hasattr(b, "full_tensor") else b
+            diffs["running"] = max(diffs["running"], b.sub(q).abs().max().item())
+    return diffs
+
+
+@pytest.mark.parametrize("mesh, layout", [({"domain": 4}, "S(2)"), ({"data": 2, "domain": 2}, "S(0),S(2)")],
+                         ids=["rows-4", "samples-rows-2x2"])
+def test_batch_norm_sums_its_statistics_over_the_ranks_that_shard_its_points(ranks4, mesh, layout):
+    x = torch.randn(4, 2, 8, 6, generator=torch.Generator().manual_seed(1), dtype=F64)
+    make = partial(seeded, BatchNormBlock, F64)
+    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(("conv2d", "_native"))]
+    plan = pinned_plan(make(), (x,), mesh, {n: (lambda s: format_placements(s.inputs[0]) == layout) for n in names})
+    assert {plan.node(n).kernel for n in names if n.startswith("_native")} == {"sharded_batch_norm"}
+    for r in ranks4.run(batch_norm_steps, make, x, tuple(mesh.values()), plan.to_json()):
+        assert max(r.values()) <= 1e-10, r

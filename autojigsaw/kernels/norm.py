@@ -163,3 +163,29 @@ def sharded_group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 
     if bias is not None:
         y = y + bias.view(channel)
     return y
+
+
+def sharded_batch_norm(x, weight, bias, running_mean, running_var, momentum: float, eps: float, *,
+                       count: int, axis: Axes):
+    """aten._native_batch_norm_legit_functional in training for x [N, C, *spatial] sharded over `axis`
+    on its batch or spatial dims (`count` points per channel in all): each channel normalized over
+    all its points, as SyncBatchNorm does. Returns (y, mean, rstd, new running mean, new running var)."""
+    c = x.shape[1]
+    rows = x.transpose(0, 1).reshape(c, -1)  # one row per channel
+    _layout("sharded_batch_norm", rows, (count,), {}, axis)
+    y = _ShardedLayerNorm.apply(rows, None, None, (1,), count, eps, axis)
+    y = y.view(c, x.shape[0], *x.shape[2:]).transpose(0, 1).contiguous()
+    channel = (c,) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        y = y * weight.view(channel)
+    if bias is not None:
+        y = y + bias.view(channel)
+    with torch.no_grad():  # the statistics again, for the running averages (torch's: unbiased variance)
+        xa = rows.to(acc_dtype(x.dtype))
+        mean = _row_sum(xa, (1,), axis).squeeze(1) / count
+        centered = xa - mean[:, None]
+        var = _row_sum(centered * centered, (1,), axis).squeeze(1) / count
+        rstd = torch.rsqrt(var + eps)
+        new_mean = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
+        new_var = running_var * (1 - momentum) + (var * count / max(count - 1, 1)).to(running_var.dtype) * momentum
+    return y, mean, rstd, new_mean, new_var

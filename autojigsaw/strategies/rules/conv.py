@@ -31,9 +31,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ...cost_model.compute import backward_factor, flops, memory_time, roofline_time
 from ...kernels import registry
 from ...kernels.halo import halo_conv, halo_conv_transpose
-from . import halo
 from ...kernels.patch_gemm import patch_conv, patch_conv_transpose
 from ...placements import chunks_align, local_offset, local_shape
+from . import halo
 from .base import AxisOption, per_axis, register
 from .matmul import trim_options
 
@@ -198,7 +198,7 @@ def _halo_call(node, spec, rank, local_inputs):
 
 
 def _halo_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
-    """The convolution on the fetched rows, and the fetches of the busiest rank (inner ranks fetch both ways)."""
+    """The convolution on the fetched rows (the most any rank fetches), and the fetches."""
     x, w, y = node.args[0].meta["val"], node.args[1].meta["val"], node.meta["val"]
     backward = ctx.training and grad
     fetch, fetched = halo.fetch_time(x, strategy.inputs[0], y.shape, _stencils(node), ctx, backward)
