@@ -59,9 +59,9 @@ class FetchLayout:
     """Who sends which rows to whom, the same on every rank: one block of rows per rank shift.
 
     Rank r gets the rows it wants from rank (r + shift) % n in the block of that shift, padded to
-    the block's rows on every rank (so that every rank's buffers have the same shapes, and a
-    compiled step schedules the same collectives on every rank: torch.compile may reorder ops
-    whose shapes differ by rank). Edge ranks send their blocks around the ring, unread.
+    the block's rows on every rank, so that every rank runs the same collectives with buffers of the
+    same shapes (a compiled step's graphs then differ by rank in constants only). Edge ranks send
+    their blocks around the ring, unread.
     """
 
     pieces: tuple[tuple[tuple[int | None, int, int], ...], ...]  # per rank: fetch_pieces of its wants
@@ -76,6 +76,7 @@ class FetchLayout:
 
 @functools.lru_cache(maxsize=256)
 def fetch_layout(wants: tuple[Runs, ...], sizes: tuple[int, ...]) -> FetchLayout:
+    """The blocks that move every rank's `wants` of a dim chunked as `sizes`."""
     n = len(sizes)
     pieces = tuple(tuple(fetch_pieces(w, sizes)) for w in wants)
     count: dict[int, list[int]] = {}

@@ -46,7 +46,8 @@ def upsample(node, mesh, candidates):
         if n > 1:
             opts += [AxisOption((Shard(d),), (Shard(d),), note="planes") for d in range(first) if x.shape[d] >= n]
             if node.target in _NEAREST:
-                opts += [AxisOption((Shard(d),), (Shard(d),), kernel=UPSAMPLE, note="rows") for d in scales]
+                opts += [AxisOption((Shard(d),), (Shard(d),), kernel=UPSAMPLE, note="rows")
+                         for d in scales if x.shape[d] >= n]
             opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_RESAMPLE, note="rows and halos") for d in maps]
         return opts
 
@@ -56,16 +57,17 @@ def upsample(node, mesh, candidates):
                                                             if p == Shard(d) and n > 1])
                    for d, s in scales.items())
 
-    found = []
-    for s in per_axis(mesh, options):
-        if s.kernel == UPSAMPLE and not aligned(s):
-            continue
-        if s.kernel == HALO_RESAMPLE and (node.target in _NEAREST and aligned(s) or not
-                                          halo.one_axis_each(s.inputs[0], maps)
-                                          or not halo.nonempty(x.shape, y.shape, maps, mesh.sizes, s.inputs[0])):
-            continue
-        found.append(s)
-    return found
+    def keep(strategy) -> bool:
+        if strategy.kernel == UPSAMPLE:
+            return aligned(strategy)
+        if strategy.kernel == HALO_RESAMPLE:
+            if node.target in _NEAREST and aligned(strategy):
+                return False  # local_upsample serves it without communication
+            return (halo.one_axis_each(strategy.inputs[0], maps)
+                    and halo.nonempty(x.shape, y.shape, maps, mesh.sizes, strategy.inputs[0]))
+        return True
+
+    return [s for s in per_axis(mesh, options) if keep(s)]
 
 
 def _spatial(node) -> range:
