@@ -19,13 +19,13 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
-from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...dtypes import acc_dtype
 from ...ir import GLOBAL, PLACEMENTS, bytes_sent
 from ...kernels import registry
 from ...kernels.norm import sharded_group_norm
 from ...placements import local_shape
 from .base import AxisOption, per_axis, register
+from .norm import stats_cost
 
 aten = torch.ops.aten
 R = Replicate()
@@ -133,19 +133,11 @@ def _traffic(node: Node, rank, backward) -> list[tuple[str, int]]:
 
 
 def _cost(node: Node, strategy, ctx, grad: bool) -> tuple[float, float]:
-    """The local norm as the default estimate prices it, plus the statistics' all-reduces."""
+    """The local norm, plus the statistics' all-reduces."""
     x = node.args[0].meta["val"]
     shape = local_shape(x.shape, strategy.inputs[0], ctx.mesh.sizes, ctx.coord0)
-    moved = 2 * math.prod(shape) * x.dtype.itemsize
-    local = float(roofline_time(flops(node.target, [shape], [shape]), moved, x.dtype, ctx.device, "norm"))
     nbytes = _stat_bytes(shape, _groups(node), x.dtype)
-    backward = ctx.training and grad
-    t = local * (1 + (backward_factor(node.target) if backward else 0))
-    for a in _stat_axes(strategy.inputs[0]):
-        t += 2 * ctx.collective_time("all_reduce", nbytes, a)
-        if backward:
-            t += ctx.collective_time("all_reduce", 2 * nbytes, a)
-    return t, math.nan
+    return stats_cost(node, strategy, ctx, grad, _stat_axes(strategy.inputs[0]), nbytes, 2, 2)
 
 
 registry.add(registry.Kernel(POINTS, _points, _traffic, _cost))

@@ -92,23 +92,29 @@ def _traffic(kernel: str):
     return count
 
 
-def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
-    """The local norm as the default estimate prices it, plus the all-reduces of row statistics."""
+def stats_cost(node, strategy, ctx, grad: bool, axes, nbytes: int, forward: int, backward_stats: int):
+    """(seconds, NaN) of a norm on local shards as the default estimate prices it, plus, on each of
+    `axes`, `forward` all-reduces of `nbytes` of statistics and (backward) one of `backward_stats` x that."""
     x = node.args[0].meta["val"]
     shape = local_shape(x.shape, strategy.inputs[0], ctx.mesh.sizes, ctx.coord0)
     moved = 2 * math.prod(shape) * x.dtype.itemsize  # x in, y out
     local = float(roofline_time(flops(node.target, [shape], [shape]), moved, x.dtype, ctx.device, "norm"))
-    a = _stat_axis(node, strategy)
-    nbytes = _stat_bytes(shape, len(node.args[1]), x.dtype)
-
-    def reduce(stats: int) -> float:
-        return ctx.collective_time("all_reduce", stats * nbytes, a)
-
-    forward, backward_stats = _STATS[strategy.kernel]
-    t = local + forward * reduce(1)
-    if ctx.training and grad:
-        t += local * backward_factor(node.target) + reduce(backward_stats)
+    backward = ctx.training and grad
+    t = local * (1 + (backward_factor(node.target) if backward else 0))
+    for a in axes:
+        t += forward * ctx.collective_time("all_reduce", nbytes, a)
+        if backward:
+            t += ctx.collective_time("all_reduce", backward_stats * nbytes, a)
     return t, math.nan
+
+
+def _cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
+    """The local norm, plus the all-reduces of row statistics."""
+    x = node.args[0].meta["val"]
+    shape = local_shape(x.shape, strategy.inputs[0], ctx.mesh.sizes, ctx.coord0)
+    nbytes = _stat_bytes(shape, len(node.args[1]), x.dtype)
+    forward, backward_stats = _STATS[strategy.kernel]
+    return stats_cost(node, strategy, ctx, grad, (_stat_axis(node, strategy),), nbytes, forward, backward_stats)
 
 
 registry.add(registry.Kernel("sharded_layer_norm", _call(sharded_layer_norm, 4), _traffic("sharded_layer_norm"), _cost))
