@@ -19,12 +19,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
 from ...dtypes import acc_dtype
-from ...ir import GLOBAL, bytes_sent
+from ...ir import GLOBAL
 from ...kernels import registry
 from ...kernels.norm import sharded_batch_norm
 from ...placements import local_shape
 from .base import AxisOption, per_axis, register
-from .norm import stats_cost
+from .norm import stats_cost, stats_traffic
 
 aten = torch.ops.aten
 R = Replicate()
@@ -82,13 +82,8 @@ def _traffic(node: Node, rank, backward) -> list[tuple[str, int]]:
     """Bytes of a rewritten sharded_batch_norm node: (x, weight, bias, running mean, running var, ...)."""
     x = node.args[0]
     val = x.meta[GLOBAL]
-    nbytes = _stat_bytes(val.shape[1], val.dtype)
-    out = []
-    for a in node.kwargs["axis"]:  # mean, variance for the output; again for the running averages
-        out += [("all_reduce", bytes_sent("all_reduce", nbytes, a.size))] * 4
-        if x in backward:
-            out.append(("all_reduce", bytes_sent("all_reduce", 2 * nbytes, a.size)))
-    return out
+    # mean, variance for the output; again for the running averages
+    return stats_traffic(node.kwargs["axis"], _stat_bytes(val.shape[1], val.dtype), 4, 2, x in backward)
 
 
 def _cost(node: Node, strategy, ctx, grad: bool) -> tuple[float, float]:

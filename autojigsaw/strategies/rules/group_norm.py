@@ -20,12 +20,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
 from ...dtypes import acc_dtype
-from ...ir import GLOBAL, PLACEMENTS, bytes_sent
+from ...ir import GLOBAL, PLACEMENTS
 from ...kernels import registry
 from ...kernels.norm import sharded_group_norm
 from ...placements import local_shape
 from .base import AxisOption, per_axis, register
-from .norm import stats_cost
+from .norm import stats_cost, stats_traffic
 
 aten = torch.ops.aten
 R = Replicate()
@@ -124,12 +124,8 @@ def _traffic(node: Node, rank, backward) -> list[tuple[str, int]]:
     val = x.meta[GLOBAL]
     shape = local_shape(val.shape, x.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)
     nbytes = _stat_bytes(shape, node.args[1], val.dtype)
-    out = []
-    for a in node.kwargs["axis"]:  # the mean, then the variance around it; dx's two sums at once
-        out += [("all_reduce", bytes_sent("all_reduce", nbytes, a.size))] * 2
-        if x in backward:
-            out.append(("all_reduce", bytes_sent("all_reduce", 2 * nbytes, a.size)))
-    return out
+    # the mean, then the variance around it; dx's two sums at once
+    return stats_traffic(node.kwargs["axis"], nbytes, 2, 2, x in backward)
 
 
 def _cost(node: Node, strategy, ctx, grad: bool) -> tuple[float, float]:

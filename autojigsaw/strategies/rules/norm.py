@@ -83,13 +83,21 @@ def _traffic(kernel: str):
         x = node.args[0]
         val = x.meta[GLOBAL]
         shape = local_shape(val.shape, x.meta[PLACEMENTS][0], rank.mesh.sizes, rank.coord)
-        nbytes, n = _stat_bytes(shape, len(node.args[1]), val.dtype), node.kwargs["axis"].size
-        out = [("all_reduce", bytes_sent("all_reduce", nbytes, n))] * forward
-        if x in backward:  # the backward reduces only for x's own gradient
-            out.append(("all_reduce", bytes_sent("all_reduce", backward_stats * nbytes, n)))
-        return out
+        nbytes = _stat_bytes(shape, len(node.args[1]), val.dtype)
+        return stats_traffic((node.kwargs["axis"],), nbytes, forward, backward_stats, x in backward)
 
     return count
+
+
+def stats_traffic(axes, nbytes: int, forward: int, backward_stats: int, grad: bool) -> list[tuple[str, int]]:
+    """A norm kernel's bytes: on each of `axes` (MeshAxis), `forward` all-reduces of `nbytes` of
+    statistics and, when x takes a gradient (the backward reduces only for it), one of `backward_stats` x that."""
+    out = []
+    for a in axes:
+        out += [("all_reduce", bytes_sent("all_reduce", nbytes, a.size))] * forward
+        if grad:
+            out.append(("all_reduce", bytes_sent("all_reduce", backward_stats * nbytes, a.size)))
+    return out
 
 
 def stats_cost(node, strategy, ctx, grad: bool, axes, nbytes: int, forward: int, backward_stats: int):
