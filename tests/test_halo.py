@@ -56,10 +56,12 @@ class UNet(nn.Module):
         return self.head(self.up(torch.cat([skip, F.interpolate(deep, scale_factor=2.0)], 1)))
 
 
-def _spatial_pins(model, x, layout: str) -> dict:
-    """Every node of the U-Net's spatial ops pinned to take its first input in `layout` ("S(2),S(3)")."""
-    names = [n.name for n in capture(model, (x,)).gm.graph.nodes if n.name.startswith(_SPATIAL_OPS)]
-    return {name: (lambda s: format_placements(s.inputs[0]) == layout) for name in names}
+def _plan_sharded(make, x, mesh: dict, layout: str, prefixes: tuple[str, ...]):
+    """(plan of make() on `mesh`, names): every node whose name starts with one of `prefixes` pinned to take
+    its first input in `layout` ("S(2),S(3)"); their names in graph order."""
+    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(prefixes)]
+    pins = {name: (lambda s: format_placements(s.inputs[0]) == layout) for name in names}
+    return pinned_plan(make(), (x,), mesh, pins), names
 
 
 @pytest.mark.parametrize("mesh, shape, layout", [
@@ -69,7 +71,7 @@ def _spatial_pins(model, x, layout: str) -> dict:
 def test_unet_trains_like_one_device_with_its_points_sharded(ranks4, mesh, shape, layout):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=F64)
     make = partial(seeded, UNet, F64)
-    plan = pinned_plan(make(), (x,), mesh, _spatial_pins(make(), x, layout))
+    plan, _ = _plan_sharded(make, x, mesh, layout, _SPATIAL_OPS)
     kernels = {n.name: n.kernel for n in plan.nodes}
     assert {kernels[f"conv2d{i}"] for i in ("", "_1", "_2", "_3", "_4", "_5")} == {"halo_conv"}, kernels
     assert {kernels[f"group_norm{i}"] for i in ("", "_1", "_2")} == {"sharded_group_norm"}, kernels
@@ -121,9 +123,8 @@ class Signal(nn.Module):
 def test_misaligned_windows_fetch_the_rows_they_read(ranks4):
     x = torch.randn(2, 2, 23, generator=torch.Generator().manual_seed(1), dtype=F64)  # 6, 6, 6, 5 points
     make = partial(seeded, Signal, F64)
-    plan = pinned_plan(make(), (x,), {"domain": 4}, {n: (lambda s: format_placements(s.inputs[0]) == "S(2)")
-                                                     for n in ("conv1d", "conv1d_1", "conv1d_2")})
-    assert [plan.node(n).kernel for n in ("conv1d", "conv1d_1", "conv1d_2")] == ["halo_conv"] * 3
+    plan, names = _plan_sharded(make, x, {"domain": 4}, "S(2)", ("conv1d",))
+    assert [plan.node(n).kernel for n in names] == ["halo_conv"] * 3, names
     assert_matches(ranks4.run(train_side_by_side, make, (x,), (4,), plan.to_json()), F64)
 
 
@@ -142,10 +143,7 @@ class Volume(nn.Module):
 def test_volume_trains_like_one_device_with_its_depth_sharded(ranks2):
     x = torch.randn(1, 2, 8, 4, 6, generator=torch.Generator().manual_seed(1), dtype=F64)
     make = partial(seeded, Volume, F64)
-    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(("conv", "group_norm",
-                                                                                          "max_pool", "upsample"))]
-    plan = pinned_plan(make(), (x,), {"domain": 2}, {n: (lambda s: format_placements(s.inputs[0]) == "S(2)")
-                                                     for n in names})
+    plan, names = _plan_sharded(make, x, {"domain": 2}, "S(2)", ("conv", "group_norm", "max_pool", "upsample"))
     assert [plan.node(n).kernel for n in names] == ["halo_conv", "sharded_group_norm", "local", "local_upsample",
                                                      "halo_conv"], names
     assert_matches(ranks2.run(train_side_by_side, make, (x,), (2,), plan.to_json()), F64)
@@ -179,8 +177,7 @@ class NnUNet(nn.Module):
 def test_nnunet_trains_like_one_device_with_its_volume_sharded(ranks4, mesh, shape, layout):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=F64)
     make = partial(seeded, NnUNet, F64)
-    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(("conv3d", "instance_norm"))]
-    plan = pinned_plan(make(), (x,), mesh, {n: (lambda s: format_placements(s.inputs[0]) == layout) for n in names})
+    plan, names = _plan_sharded(make, x, mesh, layout, ("conv3d", "instance_norm"))
     kernels = [plan.node(n).kernel for n in names]
     assert kernels == ["halo_conv", "sharded_group_norm"] * 3 + ["local"], list(zip(names, kernels))
     assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
@@ -203,10 +200,8 @@ class Stem(nn.Module):
 def test_overlapping_pooling_windows_fetch_their_rows_padded_as_the_pool_pads(ranks4):
     x = torch.randn(1, 3, 32, 8, generator=torch.Generator().manual_seed(1), dtype=F64)  # rows: 32 -> 16 -> 8
     make = partial(seeded, Stem, F64)
-    names = ("conv2d", "max_pool2d", "avg_pool2d")
-    plan = pinned_plan(make(), (x,), {"domain": 4}, {n: (lambda s: format_placements(s.inputs[0]) == "S(2)")
-                                                     for n in names})
-    assert [plan.node(n).kernel for n in names] == ["halo_conv", "halo_pool", "halo_pool"]
+    plan, names = _plan_sharded(make, x, {"domain": 4}, "S(2)", ("conv2d", "max_pool2d", "avg_pool2d"))
+    assert [plan.node(n).kernel for n in names] == ["halo_conv", "halo_pool", "halo_pool"], names
     assert_matches(ranks4.run(train_side_by_side, make, (x,), (4,), plan.to_json()), F64)
 
 
@@ -233,8 +228,7 @@ class PeriodicCNN(nn.Module):
 def test_periodic_and_mirrored_padding_fetch_the_rows_they_copy(ranks4, mesh, layout):
     x = torch.randn(1, 3, 10, 16, generator=torch.Generator().manual_seed(1), dtype=F64)
     make = partial(seeded, PeriodicCNN, F64)
-    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(("pad", "conv2d"))]
-    plan = pinned_plan(make(), (x,), mesh, {n: (lambda s: format_placements(s.inputs[0]) == layout) for n in names})
+    plan, names = _plan_sharded(make, x, mesh, layout, ("pad", "conv2d"))
     kernels = {plan.node(n).kernel for n in names}
     assert kernels == {"halo_pad", "halo_conv"}, [(n, plan.node(n).kernel) for n in names]
     assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
@@ -262,8 +256,7 @@ class Decoder(nn.Module):
 def test_upsampling_and_transposed_convolutions_fetch_their_rows(ranks4, mesh, layout):
     x = torch.randn(1, 2, 10, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
     make = partial(seeded, Decoder, F64)
-    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(("upsample", "conv"))]
-    plan = pinned_plan(make(), (x,), mesh, {n: (lambda s: format_placements(s.inputs[0]) == layout) for n in names})
+    plan, names = _plan_sharded(make, x, mesh, layout, ("upsample", "conv"))
     assert [plan.node(n).kernel for n in names] == ["halo_resample", "halo_conv"] * 2 + ["halo_conv"], names
     assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
 
@@ -289,8 +282,7 @@ def test_compiled_halos_on_uneven_shards_keep_every_rank_in_step(ranks2):
     buffers (a gloo abort, or gradients 1e7 off)."""
     x = torch.randn(1, 2, 7, generator=torch.Generator().manual_seed(1), dtype=F64)  # 4 + 3 points
     make = partial(seeded, Signal, F64)
-    plan = pinned_plan(make(), (x,), {"domain": 2}, {n: (lambda s: format_placements(s.inputs[0]) == "S(2)")
-                                                     for n in ("conv1d", "conv1d_1", "conv1d_2")})
+    plan, _ = _plan_sharded(make, x, {"domain": 2}, "S(2)", ("conv1d",))
     assert max(ranks2.run(compiled_step, make, x, plan.to_json(), timeout=600)) <= 1e-10
 
 
@@ -338,8 +330,7 @@ def batch_norm_steps(make, x, mesh_shape, plan_json: str) -> dict:
 def test_batch_norm_sums_its_statistics_over_the_ranks_that_shard_its_points(ranks4, mesh, layout):
     x = torch.randn(4, 2, 8, 6, generator=torch.Generator().manual_seed(1), dtype=F64)
     make = partial(seeded, BatchNormBlock, F64)
-    names = [n.name for n in capture(make(), (x,)).gm.graph.nodes if n.name.startswith(("conv2d", "_native"))]
-    plan = pinned_plan(make(), (x,), mesh, {n: (lambda s: format_placements(s.inputs[0]) == layout) for n in names})
+    plan, names = _plan_sharded(make, x, mesh, layout, ("conv2d", "_native"))
     assert {plan.node(n).kernel for n in names if n.startswith("_native")} == {"sharded_batch_norm"}
     for r in ranks4.run(batch_norm_steps, make, x, tuple(mesh.values()), plan.to_json()):
         assert max(r.values()) <= 1e-10, r
