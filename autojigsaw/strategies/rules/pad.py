@@ -30,8 +30,7 @@ _MODES = ("constant", "circular", "reflect", "replicate")
 @register(aten.pad.default, aten.constant_pad_nd.default)
 def pad(node, mesh, candidates):
     x, y = node.args[0].meta["val"], node.meta["val"]
-    padded = _padded(node)
-    maps = {d: _row_map(_mode(node), before, x.shape[d]) for d, (before, _) in padded.items()}
+    padded, maps = _padded(node), _row_maps(node)
 
     def options(n):
         opts = [AxisOption((R,), (R,))]
@@ -71,15 +70,15 @@ def _source(mode: str, before: int, size: int):
     return source
 
 
-def _row_map(mode: str, before: int, size: int) -> halo.RowMap:
-    return halo.mapped(_source(mode, before, size))
+def _row_maps(node) -> dict[int, halo.RowMap]:
+    """{padded dim: every rank's wanted input rows for its chunk of the padded output}."""
+    x = node.args[0].meta["val"]
+    return {d: halo.mapped(_source(_mode(node), before, x.shape[d])) for d, (before, _) in _padded(node).items()}
 
 
 def _halo_pad_call(node, spec, rank, local_inputs):
     x, y = node.args[0].meta["val"], node.meta["val"]
-    padded = _padded(node)
-    maps = {d: _row_map(_mode(node), before, x.shape[d]) for d, (before, _) in padded.items()}
-    found = halo.fetches(x.shape, y.shape, spec.inputs[0], maps, rank.mesh.sizes)
+    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _row_maps(node), rank.mesh.sizes)
     value = (list(node.args) + [None] * 4)[3 if node.target is aten.pad.default else 2]
     return halo_pad, (local_inputs[0], list(node.args[1])), dict(
         mode=_mode(node), value=value, fetches=tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found))
@@ -88,9 +87,8 @@ def _halo_pad_call(node, spec, rank, local_inputs):
 def _halo_pad_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     """Writing the padded chunk (and its gradient's copy back), and the fetches."""
     x, y = node.args[0].meta["val"], node.meta["val"]
-    maps = {d: _row_map(_mode(node), before, x.shape[d]) for d, (before, _) in _padded(node).items()}
     backward = ctx.training and grad
-    fetch, _ = halo.fetch_time(x, strategy.inputs[0], y.shape, maps, ctx, backward)
+    fetch, _ = halo.fetch_time(x, strategy.inputs[0], y.shape, _row_maps(node), ctx, backward)
     ys = local_shape(y.shape, strategy.outputs[0], ctx.mesh.sizes, ctx.coord0)
     t = float(memory_time(2 * math.prod(ys) * y.dtype.itemsize, ctx.device)) * (2 if backward else 1)
     return t + fetch, 0.0

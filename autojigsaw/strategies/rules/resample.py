@@ -38,7 +38,7 @@ _LINEAR = {aten.upsample_linear1d.vec: 1, aten.upsample_bilinear2d.vec: 2, aten.
 def upsample(node, mesh, candidates):
     x, y = node.args[0].meta["val"], node.meta["val"]
     scales = _scales(node)
-    maps = {d: _row_map(node, s, x.shape[d]) for d, s in scales.items()}
+    maps = _row_maps(node)
     first = x.ndim - len(_spatial(node))
 
     def options(n):
@@ -86,6 +86,12 @@ def _scales(node) -> dict[int, int]:
     return {d: s for d, s in out.items() if s & (s - 1) == 0}
 
 
+def _row_maps(node) -> dict[int, halo.RowMap]:
+    """{scaled dim: every rank's wanted input rows}."""
+    x = node.args[0].meta["val"]
+    return {d: _row_map(node, s, x.shape[d]) for d, s in _scales(node).items()}
+
+
 def _row_map(node, scale: int, size: int) -> halo.RowMap:
     """Each rank's input rows: output row i reads row i // s (nearest) or its neighbours too (linear)."""
     extra = 1 if node.target in _LINEAR else 0
@@ -112,8 +118,7 @@ registry.add(registry.Kernel(UPSAMPLE, _local_upsample))
 def _halo_call(node, spec, rank, local_inputs):
     x, y = node.args[0].meta["val"], node.meta["val"]
     scales = _scales(node)
-    maps = {d: _row_map(node, s, x.shape[d]) for d, s in scales.items()}
-    found = halo.fetches(x.shape, y.shape, spec.inputs[0], maps, rank.mesh.sizes)
+    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _row_maps(node), rank.mesh.sizes)
     offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
     extra = 1 if node.target in _LINEAR else 0
     crops = []
@@ -130,9 +135,8 @@ def _halo_call(node, spec, rank, local_inputs):
 def _halo_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     """Upsampling the fetched rows (reading them, writing s x as many; twice with the backward), and the fetches."""
     x, y = node.args[0].meta["val"], node.meta["val"]
-    maps = {d: _row_map(node, s, x.shape[d]) for d, s in _scales(node).items()}
     backward = ctx.training and grad
-    fetch, fetched = halo.fetch_time(x, strategy.inputs[0], y.shape, maps, ctx, backward)
+    fetch, fetched = halo.fetch_time(x, strategy.inputs[0], y.shape, _row_maps(node), ctx, backward)
     ys = local_shape(y.shape, strategy.outputs[0], ctx.mesh.sizes, ctx.coord0)
     grown = math.prod(ys) * math.prod(fetched) / max(math.prod(local_shape(x.shape, strategy.inputs[0],
                                                                               ctx.mesh.sizes, ctx.coord0)), 1)
