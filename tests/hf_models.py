@@ -37,6 +37,12 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                            num_attention_heads=4, image_size=32, patch_size=8,
                            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
         return tf.ViTModel(cfg), (torch.randn(2, 3, 32, 32),)
+    if name == "segformer":  # a segmentation model: overlapping patch convolutions, Mix-FFN's depthwise conv
+        cfg = tf.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                                 num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
+                                 decoder_hidden_size=16, num_labels=3, hidden_dropout_prob=dropout,
+                                 classifier_dropout_prob=dropout, drop_path_rate=dropout)
+        return tf.SegformerForSemanticSegmentation(cfg), (torch.randn(1, 3, 32, 32),)
     if name == "mixtral":  # its experts: transformers' default grouped_mm (tests/test_moe.py)
         cfg = tf.MixtralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128,

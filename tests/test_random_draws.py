@@ -13,13 +13,18 @@ import pytest
 import torch
 
 import autojigsaw
+from autojigsaw.capture import capture
+from autojigsaw.capture.eager_strides import EAGER_STRIDES
 from autojigsaw.kernels import random
+from autojigsaw.placements import format_placements
 from autojigsaw.testing.local_ranks import get_mesh
 
-from .side_by_side import whole
+from .jigsaw_common import pinned_plan
+from .side_by_side import build, train, whole
 
 F64 = torch.float64
 ROUNDOFF = 64 * torch.finfo(F64).eps  # values of order 1; a sharded sum rounds in another order
+ADAM_STEPPED = 1e-10  # as tests/test_hf_models.py: Adam divides tiny gradients' roundoff by their own size
 
 _DRAWS = {
     "randn_like": torch.randn_like,
@@ -100,8 +105,28 @@ def test_draws_that_depend_on_values_run_whole(ranks2):
 def test_shards_keep_no_whole_tensor():
     """A kept shard (dropout's mask, a draw) owns its storage: a view would hold the whole tensor."""
     x = torch.randn(2, 1000)
-    out, mask = random.dropout(x, 0.5, True, shape=(4, 1000), offset=(2, 0))
+    out, mask = random.dropout(x, 0.5, True, shape=(4, 1000), stride=(1000, 1), offset=(2, 0))
     noise = random.draw(torch.ops.aten.randn_like.default, (x,), {}, shape=(4, 1000), offset=(2, 0),
                         strides=((1000, 1),))
     for kept in (mask, noise):
         assert kept.shape == x.shape and kept.untyped_storage().nbytes() == kept.nbytes
+
+
+def test_dropout_masks_follow_the_single_device_layout(ranks4):
+    """Hugging Face's SegFormer, dropout and drop-path on, its image split in rows over 4 ranks.
+
+    A CPU generator fills a mask in memory order. Mix-FFN's dropout reads a transposed tensor, and
+    export's fake strides disagree with eager's (channels-last after a convolution of a transposed
+    view, where eager's is contiguous); a mask drawn in either wrong layout trained another model
+    (output 0.2 off, gradients 1.7 off in fp64)."""
+    model, inputs = build("segformer", dropout=0.1)
+    gm = capture(model, inputs).gm
+    drops = [n for n in gm.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
+    assert any(n.meta[EAGER_STRIDES][0] != n.args[0].meta["val"].stride() for n in drops)
+    assert any(n.meta[EAGER_STRIDES][0] != torch.empty(n.args[0].meta["val"].shape).stride() for n in drops)
+    convs = [n.name for n in gm.graph.nodes if n.name.startswith("conv")]
+    plan = pinned_plan(model, inputs, {"domain": 4},
+                       dict.fromkeys(convs, lambda s: format_placements(s.inputs[0]) == "S(2)"))
+    assert {"halo_conv", "dropout"} <= {n.kernel for n in plan.nodes}
+    for r in ranks4.run(train, "segformer", (4,), ("domain",), plan.to_json(), steps=2, dropout=0.1):
+        assert max(r["output"], r["grad"], r["param"]) <= ADAM_STEPPED, r["table"]

@@ -29,7 +29,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     applied: set[type] = set()
     hooked: list[str] = []
     silent: list[str] = []
-    written: list[str] = []
+    written: list[tuple[str, str, str]] = []
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               _functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
@@ -190,9 +190,10 @@ def _refuse_silent_forward_hooks(silent: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def _attributes_written(model: nn.Module, written: list[str]):
-    """Record the attributes the model's own forward sets on its modules while export runs it (an
-    auxiliary loss kept as `self.aux_loss`, a call counter); a buffer updated in place is not one."""
+def _attributes_written(model: nn.Module, written: list[tuple[str, str, str]]):
+    """Record (module, attribute, file:line) of each attribute the model's own forward sets on its modules
+    while export runs it (an auxiliary loss kept as `self.aux_loss`, a call counter); a buffer updated in
+    place is not one."""
     names = {id(m): name for name, m in model.named_modules()}
     original = nn.Module.__setattr__
 
@@ -200,8 +201,8 @@ def _attributes_written(model: nn.Module, written: list[str]):
         caller = sys._getframe(1)
         if (id(module) in names and attr not in module._buffers and module.__dict__.get(attr, None) is not value
                 and not _library(caller.f_globals.get("__name__", ""))):
-            written.append(f"{names[id(module)] or type(model).__name__} {attr} "
-                           f"{caller.f_code.co_filename}:{caller.f_lineno}")
+            written.append((names[id(module)] or type(model).__name__, attr,
+                            f"{caller.f_code.co_filename}:{caller.f_lineno}"))
         original(module, attr, value)
 
     nn.Module.__setattr__ = setattr_
@@ -211,11 +212,11 @@ def _attributes_written(model: nn.Module, written: list[str]):
         nn.Module.__setattr__ = original
 
 
-def _refuse_attribute_writes(written: list[str]) -> None:
+def _refuse_attribute_writes(written: list[tuple[str, str, str]]) -> None:
     """What the forward keeps on a module besides its outputs and buffers is set once, at capture,
     from stand-in tensors: an auxiliary loss read later is a tracing leftover, a counter stands still."""
     if written:
-        module, attr, where = written[0].split(" ", 2)
+        module, attr, where = written[0]
         raise ValueError(
             f"module {module!r} sets its attribute {attr!r} in its forward ({where}): autojigsaw runs the model as "
             "one captured graph, so that line ran once, on stand-in tensors while the model was captured, and never "

@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from .eager_strides import record_eager_strides
 from .export import check_complex_scatter, check_dense, check_operand_dtypes, export
 from .shapes import ShapeRange, every_dim_auto, shape_range
 
@@ -92,6 +93,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     captured = Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated)
     if dynamic:
         captured.shapes = shape_range(captured.input_values, args, kwargs, ep.range_constraints)
+    else:
+        record_eager_strides(gm, _strides(inputs, args, kwargs))
     return captured
 
 
@@ -142,7 +145,14 @@ def at_sizes(symbolic: Captured, args: tuple, kwargs: dict | None = None) -> Cap
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
+    record_eager_strides(gm, _strides(inputs, args, kwargs or {}))
     return replace(symbolic, gm=gm, params=params, buffers=buffers, constants=constants, inputs=inputs, shapes=None)
+
+
+def _strides(inputs: list[str], args: tuple, kwargs: dict) -> dict[str, tuple[int, ...]]:
+    """Placeholder name -> the strides of the tensor the caller passes for it."""
+    leaves = pytree.tree_leaves((tuple(args), kwargs))
+    return {name: tuple(x.stride()) for name, x in zip(inputs, leaves) if isinstance(x, torch.Tensor)}
 
 
 def _merge_tied(gm: GraphModule, params: dict[str, str], model: torch.nn.Module) -> None:

@@ -17,12 +17,15 @@ _READ_VALUES = {aten.bernoulli.default, aten.bernoulli.Tensor, aten.normal.Tenso
                 aten.normal.Tensor_Tensor}
 
 
-def dropout(x: torch.Tensor, p: float, train: bool | None, *, shape: tuple[int, ...],
+def dropout(x: torch.Tensor, p: float, train: bool | None, *, shape: tuple[int, ...], stride: tuple[int, ...],
             offset: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, keep-mask) of aten.native_dropout for the shard of a `shape` tensor at `offset`."""
+    """(output, keep-mask) of aten.native_dropout for the shard at `offset` of a `shape` tensor whose
+    single-device strides are `stride`: the generator fills the mask in memory order, so a transposed
+    input's mask is drawn in its transposed order."""
     if not train or p == 0:
         return aten.native_dropout(x, p, train)
-    _, mask = aten.native_dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, train)
+    ones = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device).fill_(1)
+    _, mask = aten.native_dropout(ones, p, train)
     mask = _own_slice(mask, offset, x.shape)
     scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
     return x.mul(mask).mul(scale), mask

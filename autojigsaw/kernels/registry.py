@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torch.fx import Node
 
+from ..capture.eager_strides import EAGER_STRIDES
 from ..ir import KERNEL, tensor_inputs, with_local_tensors
 from ..placements import local_offset
 from . import random
@@ -83,7 +84,8 @@ def _dropout(node, spec, rank, local_inputs):
     x = node.args[0].meta["val"]
     offset = local_offset(x.shape, spec.inputs[0], rank.mesh.sizes, rank.coord)
     p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
-    return random.dropout, (local_inputs[0], p, train), {"shape": tuple(x.shape), "offset": offset}
+    stride = node.meta.get(EAGER_STRIDES, (x.stride(),))[0]
+    return random.dropout, (local_inputs[0], p, train), {"shape": tuple(x.shape), "stride": stride, "offset": offset}
 
 
 add(Kernel("dropout", _dropout))
@@ -93,7 +95,7 @@ def _draw(node, spec, rank, local_inputs):
     out = node.meta["val"]
     offset = local_offset(out.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
     args, kwargs = with_local_tensors(node.args, node.kwargs, local_inputs)
-    strides = tuple(tuple(src.meta["val"].stride()) for src, _ in tensor_inputs(node))
+    strides = node.meta.get(EAGER_STRIDES) or tuple(tuple(src.meta["val"].stride()) for src, _ in tensor_inputs(node))
     return random.draw, (node.target, args, kwargs), {"shape": tuple(out.shape), "offset": offset,
                                                       "strides": strides}
 
