@@ -37,6 +37,14 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                            num_attention_heads=4, image_size=32, patch_size=8,
                            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
         return tf.ViTModel(cfg), (torch.randn(2, 3, 32, 32),)
+    if name == "resnet":  # BatchNorm, a 3x3 stride-2 max pool, bottlenecks, a global average pool
+        cfg = tf.ResNetConfig(embedding_size=8, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5,
+                              downsample_in_bottleneck=True)
+        return tf.ResNetForImageClassification(cfg), (torch.randn(1, 3, 32, 32),)
+    if name == "convnextv2":  # 7x7 depthwise convolutions, channels-last LayerNorm, global response norm
+        cfg = tf.ConvNextV2Config(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], patch_size=2, num_labels=5,
+                                  drop_path_rate=dropout)
+        return tf.ConvNextV2ForImageClassification(cfg), (torch.randn(1, 3, 32, 32),)
     if name == "segformer":  # a segmentation model: overlapping patch convolutions, Mix-FFN's depthwise conv
         cfg = tf.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
                                  num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
