@@ -25,9 +25,10 @@ RUNS = {
                            "--batch", "2", "--seq", "8", "--reps", "2", "--warmup", "1"]},
     "plan_speed": {"full": [], "quick": ["--quick"], "tiny": None},
     "scaling": {"full": [], "quick": ["--families", "llama", "--gpus", "1", "4", "16", "64", "256"],
-                "tiny": ["--tiny", "--gpus", "1", "2", "--tolerance", "0.5"]},
+                "tiny": ["--tiny", "--gpus", "2", "--tolerance", "0.5"]},
     "gpu_overhead": {"full": [], "quick": [], "tiny": ["--cpu", "--tiny", "--no-compile"]},
-    "published": {"full": [], "quick": ["--only", "torchtitan-8b-fsdp8"], "tiny": ["--tiny"]},
+    "published": {"full": [], "quick": ["--only", "torchtitan-8b-fsdp8"],  # tiny: FSDP, data x tensor, selective
+                  "tiny": ["--tiny", "--only", "torchtitan-8b-fsdp8", "megatron-7.5b-tp4", "megatron-22b-tp8-selective"]},
     "jigsaw_runs": {"full": [], "quick": [], "tiny": ["--tiny"]},
     "relaxations": {"full": [], "quick": ["--only", "mixer"], "tiny": ["--tiny"]},
     "cnn_domain": {"full": [], "quick": [], "tiny": ["--tiny"]},

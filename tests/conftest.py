@@ -4,6 +4,21 @@ import pytest
 
 from autojigsaw.testing.local_ranks import LocalRanks
 
+# The files that take most of a minute or more on 2 cores (measured with --durations), longest first:
+# `-n 2 --dist loadfile` (with --no-loadscope-reorder, pyproject.toml) hands each worker the next file
+# when it is almost done, so the suite does not end with one worker in a long file while the other waits.
+# (xdist's own order, by number of tests, ran the two-test files of a minute and more last.)
+_LONGEST_FIRST = ("test_attention_rules.py", "test_grad_probe.py", "test_benchmarks_smoke.py", "test_train_example.py",
+                  "test_data_parallel.py", "test_halo.py", "test_hf_models.py", "test_faults.py",
+                  "test_expert_parallel.py", "test_fuzz.py", "test_vocab_parallel_loss.py", "test_complex_rope.py",
+                  "test_training_regime.py", "test_local_ranks.py", "test_errors.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Order the tests by file, the longest files first (stable otherwise)."""
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture(scope="session")
 def ranks2():
