@@ -23,8 +23,8 @@ def record_eager_strides(gm: GraphModule, input_strides: dict[str, tuple[int, ..
     """Set node.meta[EAGER_STRIDES] on every node that draws random numbers (in place).
 
     `input_strides`: placeholder name -> the strides of the tensor the model is called with; other
-    placeholders (parameters, buffers) take their export values' strides. A replay that fails (an
-    op without a meta kernel) leaves the drawing nodes after it to their export strides.
+    placeholders (parameters, buffers) take their export values' strides, as does the output of an op
+    the meta device cannot run (`nonzero`: its size depends on the values).
     """
     if not any(_draws(n) for n in gm.graph.nodes):
         return
@@ -36,10 +36,7 @@ def record_eager_strides(gm: GraphModule, input_strides: dict[str, tuple[int, ..
                 val = torch.empty_strided(val.shape, input_strides.get(node.name, val.stride()), dtype=val.dtype,
                                           device="meta")
             feeds.append(val)
-    try:
-        _Replay(gm).run(*feeds)
-    except Exception:  # noqa: BLE001 - an op meta cannot run: the drawing nodes before it are recorded
-        pass
+    _Replay(gm).run(*feeds)
 
 
 def _draws(node: Node) -> bool:
@@ -59,7 +56,10 @@ class _Replay(Interpreter):
             args = pytree.tree_leaves((self.map_nodes_to_values(node.args, node),
                                        self.map_nodes_to_values(node.kwargs, node)))
             node.meta[EAGER_STRIDES] = tuple(tuple(a.stride()) for a in args if isinstance(a, torch.Tensor))
-        return super().run_node(node)
+        try:
+            return super().run_node(node)
+        except Exception:  # noqa: BLE001 - an op meta cannot run: its export value, on meta
+            return pytree.tree_map_only(torch.Tensor, _on_meta, node.meta.get("val"))
 
     def call_function(self, target, args, kwargs):
         if "device" in kwargs:  # a factory (torch.rand(..., device=x.device) in drop-path) makes meta tensors too
@@ -70,3 +70,7 @@ class _Replay(Interpreter):
             if target is not aten.view.default:
                 raise
             return aten.reshape.default(*args, **kwargs)
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
