@@ -18,12 +18,15 @@ import torch.distributed as dist
 
 import autojigsaw
 from autojigsaw import api
+from autojigsaw.capture import capture
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.ir import STRATEGIES
 from autojigsaw.kernels.collectives import count_comm
+from autojigsaw.mesh import MeshSpec
 from autojigsaw.placements import format_placements
 from autojigsaw.rewrite.traffic import traffic_by_origin
 from autojigsaw.runtime.materialize import local_view
+from autojigsaw.strategies.annotate import annotate
 from autojigsaw.testing.local_ranks import get_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -31,7 +34,7 @@ from mixer_model import FieldLoss, MixerBlock, WeatherMixer  # noqa: E402
 import jigsaw_weathermixer  # noqa: E402,F401  (the Jigsaw paper's WeatherMixer)
 
 __all__ = ["BANDWIDTH_BOUND", "FieldLoss", "MixerBlock", "WeatherMixer", "assert_matches", "inputs_are",
-           "outputs_are", "pinned_plan", "seeded", "train_side_by_side"]
+           "outputs_are", "pinned_plan", "rows_plan", "seeded", "train_side_by_side"]
 
 # Links whose time is bytes / bandwidth, no latency: tiny test tensors are then planned as if
 # they were the large ones (the "cpu" spec's 100 us per message would hide every byte count).
@@ -80,6 +83,16 @@ def pinned_plan(model, inputs, mesh: dict, pins: dict | None = None, **options) 
     options.setdefault("device", "cpu")
     with _pinned(pins or {}):
         return autojigsaw.plan(model, inputs, mesh, **options)
+
+
+def rows_plan(model, inputs, mesh: dict, layout: str = "S(2)") -> autojigsaw.Plan:
+    """pinned_plan with every convolution that offers `layout` for its input ("S(2)": an image's rows)
+    taking it (a 1x1 one on a 1x1 map, or a 2-row output over 4 ranks, offers none)."""
+    gm = capture(model, inputs).gm
+    annotate(gm, MeshSpec.of(mesh))
+    rows = [n.name for n in gm.graph.nodes if n.name.startswith("conv")
+            and any(format_placements(s.inputs[0]) == layout for s in n.meta[STRATEGIES])]
+    return pinned_plan(model, inputs, mesh, dict.fromkeys(rows, lambda s: format_placements(s.inputs[0]) == layout))
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -23,7 +23,7 @@ from autojigsaw.placements import format_placements
 from autojigsaw.strategies.annotate import annotate
 from autojigsaw.testing.local_ranks import get_mesh
 
-from .jigsaw_common import assert_matches, pinned_plan, seeded, train_side_by_side
+from .jigsaw_common import assert_matches, pinned_plan, rows_plan, seeded, train_side_by_side
 from .side_by_side import build, train
 
 F64 = torch.float64
@@ -339,14 +339,10 @@ def test_batch_norm_sums_its_statistics_over_the_ranks_that_shard_its_points(ran
 
 @pytest.mark.parametrize("name", ["resnet", "convnextv2"])
 def test_vision_models_from_transformers_train_with_their_images_split(ranks4, name):
-    """Unmodified Hugging Face ResNet and ConvNeXt V2, every convolution that can take its image in rows
-    over 4 ranks (a 1x1 one on a 1x1 map cannot): outputs, gradients and two Adam steps as on one device."""
+    """Unmodified Hugging Face ResNet and ConvNeXt V2, every convolution that can with its input's rows split
+    over 4 ranks: outputs, gradients and two Adam steps as on one device."""
     model, inputs = build(name)
-    gm = capture(model, inputs).gm
-    annotate(gm, MeshSpec.of({"domain": 4}))
-    rows = [n.name for n in gm.graph.nodes if n.name.startswith("conv")
-            and any(format_placements(s.inputs[0]) == "S(2)" for s in n.meta[STRATEGIES])]
-    plan = pinned_plan(model, inputs, {"domain": 4}, dict.fromkeys(rows, lambda s: format_placements(s.inputs[0]) == "S(2)"))
+    plan = rows_plan(model, inputs, {"domain": 4})
     assert "halo_conv" in {n.kernel for n in plan.nodes}
     for r in ranks4.run(train, name, (4,), ("domain",), plan.to_json(), steps=2):
         assert max(r["output"], r["grad"], r["param"]) <= 1e-10, r["table"]

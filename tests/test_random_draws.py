@@ -16,10 +16,9 @@ import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.capture.eager_strides import EAGER_STRIDES
 from autojigsaw.kernels import random
-from autojigsaw.placements import format_placements
 from autojigsaw.testing.local_ranks import get_mesh
 
-from .jigsaw_common import pinned_plan
+from .jigsaw_common import rows_plan
 from .side_by_side import build, train, whole
 
 F64 = torch.float64
@@ -124,9 +123,7 @@ def test_dropout_masks_follow_the_single_device_layout(ranks4):
     drops = [n for n in gm.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
     assert any(n.meta[EAGER_STRIDES][0] != n.args[0].meta["val"].stride() for n in drops)
     assert any(n.meta[EAGER_STRIDES][0] != torch.empty(n.args[0].meta["val"].shape).stride() for n in drops)
-    convs = [n.name for n in gm.graph.nodes if n.name.startswith("conv")]
-    plan = pinned_plan(model, inputs, {"domain": 4},
-                       dict.fromkeys(convs, lambda s: format_placements(s.inputs[0]) == "S(2)"))
+    plan = rows_plan(model, inputs, {"domain": 4})
     assert {"halo_conv", "dropout"} <= {n.kernel for n in plan.nodes}
     for r in ranks4.run(train, "segformer", (4,), ("domain",), plan.to_json(), steps=2, dropout=0.1):
         assert max(r["output"], r["grad"], r["param"]) <= ADAM_STEPPED, r["table"]
