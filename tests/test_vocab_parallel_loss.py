@@ -269,3 +269,35 @@ def test_kernel_compiles_without_graph_breaks(ranks2):
     assert plan.node("cross_entropy_loss").kernel == "vocab_parallel_cross_entropy", plan.table()
     for loss, ref, grad in ranks2.run(_compiled_loss, plan.to_json()):
         assert abs(loss - ref) <= 1e-14 * abs(ref) and grad <= 1e-14, (loss, ref, grad)
+
+
+def _loss_and_logits_term(shape: tuple, axes: tuple, plan: str) -> dict:
+    """GPT-2 returning its loss and its logits, trained on the loss plus a term of the logits (as a z-loss
+    adds one): differences from one device."""
+    model, (ids, labels) = _lm("gpt2")
+    pmodel = autojigsaw.parallelize(copy.deepcopy(model.lm), get_mesh(shape, axes), (ids,), compile=False,
+                                    example_kwargs={"labels": labels}, plan=Plan.from_json(plan))
+    losses = []
+    for m in (pmodel, model.lm):
+        out = m(ids, labels=labels)
+        losses.append(out.loss + 1e-2 * out.logits.square().mean())
+        losses[-1].backward()
+    grads = [(p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), model.parameters())]
+    return {"sharded": type(pmodel(ids, labels=labels).logits).__name__,
+            "loss": abs(losses[0].full_tensor().item() - losses[1].item()), "loss_scale": losses[1].item(),
+            "grad": max(grads), "grad_scale": max(q.grad.abs().max().item() for q in model.parameters())}
+
+
+def test_a_loss_with_a_term_of_the_sharded_logits_trains_like_one_device(ranks2):
+    """The logits come back as a DTensor beside the loss; adding a term of them to the plain loss sends a
+    DTensor gradient into the program's backward, which failed deep in torch ("got mixed torch.Tensor
+    and DTensor") until the loss's gradient was made whole."""
+    model, (ids, labels) = _lm("gpt2")
+    whole = autojigsaw.plan(model.lm, (ids,), {"tensor": 1}, device="cpu", example_kwargs={"labels": labels})
+    links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
+    plan = autojigsaw.plan(model.lm, (ids,), {"tensor": 2}, device=links, example_kwargs={"labels": labels},
+                           memory_budget=int(0.7 * whole.memory_per_rank))
+    for r in ranks2.run(_loss_and_logits_term, (2,), ("tensor",), plan.to_json()):
+        assert r["sharded"] == "DTensor", r
+        assert r["loss"] <= 16 * FP32_U * r["loss_scale"], r
+        assert r["grad"] <= 16 * FP32_U * r["grad_scale"], r

@@ -257,10 +257,16 @@ class ParallelModule(nn.Module):
 
     def _as_dtensors(self, outs: list) -> list:
         """Beside a returned loss, the outputs the plan leaves sharded (logits), as DTensors: whole on
-        request (`.full_tensor()`), never mistaken for whole. Other plans' outputs are as asked."""
+        request (`.full_tensor()`), never mistaken for whole. Other plans' outputs are as asked; where
+        some are DTensors, the others take a gradient that comes back as one (the loss plus a term of the
+        logits) whole."""
+        sharded = {i for i, _, _ in self._sharded_outputs}
         for i, placements, val in self._sharded_outputs:
             outs[i] = DTensor.from_local(outs[i], self.device_mesh, placements, run_check=False,
                                          shape=val.shape, stride=val.stride())
+        for i, out in enumerate(outs):
+            if sharded and i not in sharded and isinstance(out, torch.Tensor) and out.requires_grad:
+                outs[i] = _WholeGradient.apply(out)
         return outs
 
     def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -286,6 +292,19 @@ class ParallelModule(nn.Module):
                                  "inputs (other shapes are planned again only for whole inputs)")
             out.append(self._compute_copy(x if given_local else _slice(x, pl, self._rank)))
         return out
+
+
+class _WholeGradient(torch.autograd.Function):
+    """Identity; a gradient that arrives as a DTensor (a plain loss added to a DTensor's term makes one)
+    goes on as its whole value, as the program's backward takes plain tensors."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.full_tensor() if isinstance(g, DTensor) else g
 
 
 def _sharded_beside_loss(captured: Captured, plan: Plan) -> list[tuple[int, tuple, torch.Tensor]]:
