@@ -28,14 +28,7 @@ def record_eager_strides(gm: GraphModule, input_strides: dict[str, tuple[int, ..
     """
     if not any(_draws(n) for n in gm.graph.nodes):
         return
-    feeds = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                val = torch.empty_strided(val.shape, input_strides.get(node.name, val.stride()), dtype=val.dtype,
-                                          device="meta")
-            feeds.append(val)
+    feeds = [_on_meta(n.meta.get("val"), input_strides.get(n.name)) for n in gm.graph.nodes if n.op == "placeholder"]
     _Replay(gm).run(*feeds)
 
 
@@ -59,7 +52,7 @@ class _Replay(Interpreter):
         try:
             return super().run_node(node)
         except Exception:  # noqa: BLE001 - an op meta cannot run: its export value, on meta
-            return pytree.tree_map_only(torch.Tensor, _on_meta, node.meta.get("val"))
+            return pytree.tree_map(_on_meta, node.meta.get("val"))
 
     def call_function(self, target, args, kwargs):
         if "device" in kwargs:  # a factory (torch.rand(..., device=x.device) in drop-path) makes meta tensors too
@@ -72,5 +65,8 @@ class _Replay(Interpreter):
             return aten.reshape.default(*args, **kwargs)
 
 
-def _on_meta(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+def _on_meta(val, stride: tuple[int, ...] | None = None):
+    """A tensor value as a meta tensor of its strides (or `stride`); anything else as it is."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    return torch.empty_strided(val.shape, val.stride() if stride is None else stride, dtype=val.dtype, device="meta")
