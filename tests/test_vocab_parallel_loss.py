@@ -277,13 +277,12 @@ def _loss_and_logits_term(shape: tuple, axes: tuple, plan: str) -> dict:
     model, (ids, labels) = _lm("gpt2")
     pmodel = autojigsaw.parallelize(copy.deepcopy(model.lm), get_mesh(shape, axes), (ids,), compile=False,
                                     example_kwargs={"labels": labels}, plan=Plan.from_json(plan))
-    losses = []
-    for m in (pmodel, model.lm):
-        out = m(ids, labels=labels)
-        losses.append(out.loss + 1e-2 * out.logits.square().mean())
-        losses[-1].backward()
+    outs = [m(ids, labels=labels) for m in (pmodel, model.lm)]
+    losses = [out.loss + 1e-2 * out.logits.square().mean() for out in outs]
+    for loss in losses:
+        loss.backward()
     grads = [(p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), model.parameters())]
-    return {"sharded": type(pmodel(ids, labels=labels).logits).__name__,
+    return {"sharded": type(outs[0].logits).__name__,
             "loss": abs(losses[0].full_tensor().item() - losses[1].item()), "loss_scale": losses[1].item(),
             "grad": max(grads), "grad_scale": max(q.grad.abs().max().item() for q in model.parameters())}
 
