@@ -18,8 +18,10 @@ from torch import nn
 import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.ir import STRATEGIES
+from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.mesh import MeshSpec
 from autojigsaw.placements import format_placements
+from autojigsaw.rewrite.traffic import traffic_by_origin
 from autojigsaw.strategies.annotate import annotate
 from autojigsaw.testing.local_ranks import get_mesh
 
@@ -300,20 +302,29 @@ class BatchNormBlock(nn.Module):
 
 
 def batch_norm_steps(make, x, mesh_shape, plan_json: str) -> dict:
-    """Two SGD steps beside one device: largest differences of outputs, gradients and running averages."""
+    """Two SGD steps beside one device: largest differences of outputs, gradients and running averages; the
+    bytes the first step sent, counted and predicted, and the number of all-reduces in its forward."""
     plan = autojigsaw.Plan.from_json(plan_json)
     ref = make()
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh(mesh_shape, plan.mesh.axis_names), (x,), plan=plan,
                                     compile=False)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pmodel, ref)]
     diffs = dict.fromkeys(("output", "grad", "running"), 0.0)
-    for _ in range(2):
-        out, ref_out = pmodel(x), ref(x)
-        whole = out.full_tensor() if hasattr(out, "full_tensor") else out
-        diffs["output"] = max(diffs["output"], whole.sub(ref_out).abs().max().item())
-        ramp = torch.linspace(0, 1, whole.numel(), dtype=whole.dtype).view(whole.shape)
-        (whole * ramp).sum().backward()
+    traffic = {}
+    for step in range(2):
+        with count_comm() as forward:
+            out = pmodel(x)
+        ref_out = ref(x)
+        with count_comm() as rest:
+            whole = out.full_tensor() if hasattr(out, "full_tensor") else out
+            diffs["output"] = max(diffs["output"], whole.sub(ref_out).abs().max().item())
+            ramp = torch.linspace(0, 1, whole.numel(), dtype=whole.dtype).view(whole.shape)
+            (whole * ramp).sum().backward()
         (ref_out * ramp).sum().backward()
+        if step == 0:
+            predicted = traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.params), True)
+            traffic = {"counted": forward.total_bytes + rest.total_bytes, "predicted": sum(predicted.values()),
+                       "forward all-reduces": forward.count("all_reduce")}
         for p, q in zip(pmodel.parameters(), ref.parameters()):
             diffs["grad"] = max(diffs["grad"], p.grad.full_tensor().sub(q.grad).abs().max().item())
         for o in opts:
@@ -323,7 +334,7 @@ def batch_norm_steps(make, x, mesh_shape, plan_json: str) -> dict:
         if b.is_floating_point():
             b = b.full_tensor() if hasattr(b, "full_tensor") else b
             diffs["running"] = max(diffs["running"], b.sub(q).abs().max().item())
-    return diffs
+    return diffs, traffic
 
 
 @pytest.mark.parametrize("mesh, layout", [({"domain": 4}, "S(2)"), ({"data": 2, "domain": 2}, "S(0),S(2)")],
@@ -333,8 +344,12 @@ def test_batch_norm_sums_its_statistics_over_the_ranks_that_shard_its_points(ran
     make = partial(seeded, BatchNormBlock, F64)
     plan, names = _plan_sharded(make, x, mesh, layout, ("conv2d", "_native"))
     assert {plan.node(n).kernel for n in names if n.startswith("_native")} == {"sharded_batch_norm"}
-    for r in ranks4.run(batch_norm_steps, make, x, tuple(mesh.values()), plan.to_json()):
+    for r, traffic in ranks4.run(batch_norm_steps, make, x, tuple(mesh.values()), plan.to_json()):
         assert max(r.values()) <= 1e-10, r
+        assert traffic["counted"] == traffic["predicted"], traffic
+        # mean and variance of each of the 2 BatchNorms, once per axis that shards its points: the running
+        # averages reuse them (they were all-reduced again for those: twice as many)
+        assert traffic["forward all-reduces"] == 2 * 2 * len(layout.split(",")), traffic
 
 
 @pytest.mark.parametrize("name", ["resnet", "convnextv2"])

@@ -71,7 +71,8 @@ class _ShardedLayerNorm(torch.autograd.Function):
         xa = x.to(acc_dtype(x.dtype))
         mean = _row_sum(xa, dims, axis) / count
         centered = xa - mean
-        rstd = torch.rsqrt(_row_sum(centered * centered, dims, axis) / count + eps)
+        var = _row_sum(centered * centered, dims, axis) / count
+        rstd = torch.rsqrt(var + eps)
         y = centered * rstd
         if weight is not None:
             y = y * weight
@@ -79,11 +80,12 @@ class _ShardedLayerNorm(torch.autograd.Function):
             y = y + bias
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.args = (dims, count, axis, None if bias is None else bias.dtype)
-        return y.to(x.dtype)
+        ctx.mark_non_differentiable(mean, var)
+        return y.to(x.dtype), mean, var  # the statistics too: BatchNorm's running averages take them
 
     @staticmethod
     @differentiable_once
-    def backward(ctx, g):
+    def backward(ctx, g, _mean_grad, _var_grad):
         x, weight, mean, rstd = ctx.saved_tensors
         dims, count, axis, bias_dtype = ctx.args
         ga = g.to(mean.dtype)
@@ -139,7 +141,7 @@ def sharded_layer_norm(x, normalized_shape, weight=None, bias=None, eps: float =
     """F.layer_norm with the last of the (global) normalized dims sharded over `axis`."""
     dims, count = _layout("sharded_layer_norm", x, normalized_shape,
                           {"weight": weight, "bias": bias}, axis)
-    return _ShardedLayerNorm.apply(x, weight, bias, dims, count, eps, axis)
+    return _ShardedLayerNorm.apply(x, weight, bias, dims, count, eps, axis)[0]
 
 
 def sharded_rms_norm(x, normalized_shape, weight=None, eps: float | None = None, *, axis: MeshAxis):
@@ -156,7 +158,7 @@ def sharded_group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 
     rows = x.reshape(n, num_groups, c // num_groups * math.prod(x.shape[2:]))
     count = c // num_groups * math.prod(spatial)
     _layout("sharded_group_norm", rows, (count,), {}, axis)
-    y = _ShardedLayerNorm.apply(rows, None, None, (2,), count, eps, axis).view(x.shape)
+    y = _ShardedLayerNorm.apply(rows, None, None, (2,), count, eps, axis)[0].view(x.shape)
     channel = (c,) + (1,) * (x.ndim - 2)
     if weight is not None:
         y = y * weight.view(channel)
@@ -173,19 +175,16 @@ def sharded_batch_norm(x, weight, bias, running_mean, running_var, momentum: flo
     c = x.shape[1]
     rows = x.transpose(0, 1).reshape(c, -1)  # one row per channel
     _layout("sharded_batch_norm", rows, (count,), {}, axis)
-    y = _ShardedLayerNorm.apply(rows, None, None, (1,), count, eps, axis)
+    y, mean, var = _ShardedLayerNorm.apply(rows, None, None, (1,), count, eps, axis)
     y = y.view(c, x.shape[0], *x.shape[2:]).transpose(0, 1).contiguous()
     channel = (c,) + (1,) * (x.ndim - 2)
     if weight is not None:
         y = y * weight.view(channel)
     if bias is not None:
         y = y + bias.view(channel)
-    with torch.no_grad():  # the statistics again, for the running averages (torch's: unbiased variance)
-        xa = rows.to(acc_dtype(x.dtype))
-        mean = _row_sum(xa, (1,), axis).squeeze(1) / count
-        centered = xa - mean[:, None]
-        var = _row_sum(centered * centered, (1,), axis).squeeze(1) / count
-        rstd = torch.rsqrt(var + eps)
+    mean, var = mean.squeeze(1), var.squeeze(1)
+    rstd = torch.rsqrt(var + eps)
+    with torch.no_grad():  # the running averages (torch's: of the unbiased variance)
         new_mean = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
         new_var = running_var * (1 - momentum) + (var * count / max(count - 1, 1)).to(running_var.dtype) * momentum
     return y, mean, rstd, new_mean, new_var

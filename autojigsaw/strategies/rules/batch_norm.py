@@ -82,14 +82,14 @@ def _traffic(node: Node, rank, backward) -> list[tuple[str, int]]:
     """Bytes of a rewritten sharded_batch_norm node: (x, weight, bias, running mean, running var, ...)."""
     x = node.args[0]
     val = x.meta[GLOBAL]
-    # mean, variance for the output; again for the running averages
-    return stats_traffic(node.kwargs["axis"], _stat_bytes(val.shape[1], val.dtype), 4, 2, x in backward)
+    # mean and variance, for the output and the running averages
+    return stats_traffic(node.kwargs["axis"], _stat_bytes(val.shape[1], val.dtype), 2, 2, x in backward)
 
 
 def _cost(node: Node, strategy, ctx, grad: bool) -> tuple[float, float]:
-    """The local norm, plus the statistics' all-reduces (four forward: two for the running averages)."""
+    """The local norm, plus the statistics' all-reduces (two forward, which the running averages reuse)."""
     x = node.args[0].meta["val"]
-    return stats_cost(node, strategy, ctx, grad, _stat_axes(strategy.inputs[0]), _stat_bytes(x.shape[1], x.dtype), 4, 2)
+    return stats_cost(node, strategy, ctx, grad, _stat_axes(strategy.inputs[0]), _stat_bytes(x.shape[1], x.dtype), 2, 2)
 
 
 registry.add(registry.Kernel(SYNC, _build, _traffic, _cost))
