@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from ..modules import module_path
+from .custom_functions import backward_is_derivative, functions_applied
 
 aten = torch.ops.aten
 log = logging.getLogger("autojigsaw")
@@ -26,13 +27,13 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     """torch.export (non-strict) and decompositions; a ValueError naming the fix if export fails."""
     # On failure torch.export prints the partial graph to stderr: kept for logging.DEBUG instead.
     torch_stderr = io.StringIO()
-    applied: set[type] = set()
+    applied: dict[type, tuple | None] = {}
     hooked: list[str] = []
     silent: list[str] = []
     written: list[tuple[str, str, str]] = []
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
-              _functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
+              functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
               _attributes_written(model, written), warnings.catch_warnings(),
               contextlib.redirect_stderr(torch_stderr)):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
@@ -67,22 +68,6 @@ def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> None:
                 out.args = (tuple(region.graph.call_function(aten.detach.default, (v,)) if isinstance(v, torch.fx.Node)
                                   else v for v in out.args[0]),)
             region.recompile()
-
-
-@contextlib.contextmanager
-def _functions_applied(applied: set[type]):
-    """Record each torch.autograd.Function the model applies while export runs it."""
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        applied.add(cls)
-        return original.__func__(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original
 
 
 def refuse_backward_hooks(model: nn.Module) -> None:
@@ -235,20 +220,21 @@ def _refuse_tensor_hooks(model: nn.Module, where: list[str]) -> None:
             "times -a, a gradient reversal: (1 + a) * x.detach() - a * x)")
 
 
-def _refuse_custom_backward(model: nn.Module, applied: set[type]) -> None:
+def _refuse_custom_backward(model: nn.Module, applied: dict[type, tuple | None]) -> None:
     """Export keeps a custom autograd.Function's forward and drops its backward: the gradients would be
     the forward ops' (a straight-through round's would be 0, a gradient reversal's the wrong sign),
-    with no error. Refused by name, with the rewrite that keeps the gradient; torch's own pass."""
-    custom = sorted(f"{c.__module__}.{c.__qualname__}" for c in applied
-                    if not _ours(c.__module__))
+    with no error. Refused by name, with the rewrite that keeps the gradient, unless its backward is
+    its forward's derivative (checked); torch's own pass."""
+    custom = sorted(f"{c.__module__}.{c.__qualname__}" for c, args in applied.items()
+                    if not _ours(c.__module__) and not backward_is_derivative(c, args))
     if custom:
         raise ValueError(
             f"{type(model).__name__} applies the custom autograd.Function {custom[0]}"
             f"{f' (and {len(custom) - 1} more)' if len(custom) > 1 else ''}: torch.export keeps its forward and drops "
-            "its backward, so the parallel model's gradients would be those of the forward's ops, not its backward's. "
-            "Write it with ops whose gradient is the one you want (a straight-through round: "
-            "x + (torch.round(x) - x).detach(); a gradient times -a: (1 + a) * x.detach() - a * x), or, where its "
-            "backward is its forward's derivative (a fused GELU), call the forward's ops directly")
+            "its backward, so the parallel model's gradients would be those of the forward's ops, and on seeded inputs "
+            "of its shapes they differ from its backward's (or the check could not run it). Write it with ops whose "
+            "gradient is the one you want (a straight-through round: x + (torch.round(x) - x).detach(); a gradient "
+            "times -a: (1 + a) * x.detach() - a * x)")
 
 
 _ONE_DTYPE_OPS = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,

@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from .copies import differentiable_copies
 from .eager_strides import record_eager_strides
 from .export import check_complex_scatter, check_dense, check_operand_dtypes, export
 from .shapes import ShapeRange, every_dim_auto, shape_range
@@ -83,6 +84,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     gm = ep.graph_module
     check_operand_dtypes(gm, params)
     check_complex_scatter(gm, params)
+    differentiable_copies(gm)
     _merge_tied(gm, params, model)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _DROPPED and not node.users:

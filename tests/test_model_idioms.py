@@ -1,0 +1,187 @@
+"""Idioms of models as the world writes them, each trained beside one device.
+
+- A custom autograd.Function whose backward is its forward's derivative written out (Bloom's GELU)
+  trains; one whose backward is another (a straight-through round, a gradient reversal) is refused.
+- Keys written into a new buffer slice by slice (`k.new_empty(...)[..., :n].copy_(x)`, DeepSeek-V3's
+  attention): export makes each write an aten.copy, which eager autograd cannot differentiate.
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+import autojigsaw
+from autojigsaw.capture import capture
+from autojigsaw.capture.custom_functions import TensorArg, backward_is_derivative
+from autojigsaw.testing.local_ranks import get_mesh
+
+from .side_by_side import max_diff
+
+
+class _FusedGelu(torch.autograd.Function):
+    """Bloom's GeLUFunction: the tanh GELU, its derivative written out by hand (constants rounded)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class _Scaled(torch.autograd.Function):
+    """A scale by a Python float, written with setup_context (no ctx in the forward)."""
+
+    @staticmethod
+    def forward(x, a):
+        return x * a
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.a = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.a, None
+
+
+class _RoundThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Reverse(torch.autograd.Function):
+    """A gradient reversal: identity forward, the gradient times -1."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+def _arg(shape=(4, 8), requires_grad=True):
+    return TensorArg(shape, torch.float32, requires_grad)
+
+
+def test_which_backwards_are_their_forwards_derivative():
+    assert backward_is_derivative(_FusedGelu, (_arg(),))
+    assert backward_is_derivative(_FusedGelu, (_arg((64, 64, 64)),))  # checked at a cut shape
+    assert backward_is_derivative(_Scaled, (_arg(), 3.0))
+    assert not backward_is_derivative(_RoundThrough, (_arg(),))
+    assert not backward_is_derivative(_Reverse, (_arg(),))
+    assert backward_is_derivative(_Reverse, (_arg(requires_grad=False),))  # no gradient passes through it
+    assert not backward_is_derivative(_FusedGelu, (_arg(shape=None),))  # a symbolic shape is not checked
+
+
+def _bloom():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.BloomConfig(n_layer=1, hidden_size=64, n_head=4, vocab_size=128, use_cache=False)
+    model = tf.BloomForCausalLM(cfg).double().train()
+    return model, (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
+
+
+def _bloom_trains(plan_json: str) -> dict:
+    ref, (ids,) = _bloom()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (ids,), compile=False,
+                                    example_kwargs={"labels": ids}, plan=autojigsaw.Plan.from_json(plan_json))
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pmodel, ref)]
+    diffs = dict.fromkeys(("output", "grad", "param"), 0.0)
+    for _ in range(2):
+        out, ref_out = pmodel(ids, labels=ids), ref(ids, labels=ids)
+        diffs["output"] = max(diffs["output"], abs(out.loss.item() - ref_out.loss.item()))
+        out.loss.backward(), ref_out.loss.backward()
+        diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
+                                             for p, q in zip(pmodel.parameters(), ref.parameters())))
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    diffs["param"] = max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters()))
+    diffs["sharded"] = sum(not p.placements[0].is_replicate() for p in pmodel.parameters())
+    return diffs
+
+
+def test_bloom_with_its_fused_gelu_function_trains_like_one_device(ranks2):
+    # Bloom applies its GeLUFunction in training; it was refused, so unmodified Bloom could not train
+    model, (ids,) = _bloom()
+    kwargs = {"labels": ids}
+    whole = autojigsaw.plan(model, (ids,), {"tensor": 1}, device="cpu", example_kwargs=kwargs).memory_per_rank
+    plan = autojigsaw.plan(model, (ids,), {"tensor": 2}, device="cpu", example_kwargs=kwargs,
+                           memory_budget=int(0.6 * whole))
+    for r in ranks2.run(_bloom_trains, plan.to_json()):
+        assert r["sharded"] > 0, plan.table()
+        # Bloom's attention softmax computes in fp32 whatever the model's dtype: fp32 rounding, not fp64
+        assert r["output"] <= 1e-6 and r["grad"] <= 1e-6 and r["param"] <= 1e-5, r
+
+
+class _KeysWrittenIntoABuffer(nn.Module):
+    """DeepSeek-V3's key building: a new buffer, its slices written with copy_ (one broadcast, one cast if
+    `cast_to` is given: the source computed in that dtype and cast back to the buffer's)."""
+
+    def __init__(self, cast_to: torch.dtype | None = None):
+        super().__init__()
+        self.nope, self.rope, self.out = nn.Linear(16, 32), nn.Linear(16, 1), nn.Linear(40, 16)
+        self.cast_to = cast_to
+
+    def forward(self, x):
+        nope, rope = self.nope(x), self.rope(x)
+        keys = nope.new_empty(*nope.shape[:-1], 40)
+        keys[..., :32].copy_(nope)
+        keys[..., 32:].copy_(rope.to(self.cast_to) if self.cast_to else rope)  # broadcast over 8 columns
+        return self.out(torch.relu(keys))
+
+
+def _buffer_writes_train(plan_json: str) -> dict:
+    torch.manual_seed(0)
+    ref = _KeysWrittenIntoABuffer().double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
+                                    plan=autojigsaw.Plan.from_json(plan_json))
+    out, ref_out = pmodel(x), ref(x)
+    out.square().sum().backward(), ref_out.square().sum().backward()
+    return {"output": max_diff(out, ref_out),
+            "grad": max(max_diff(p.grad.full_tensor(), q.grad) for p, q in zip(pmodel.parameters(), ref.parameters())),
+            "sharded": sum(not p.placements[0].is_replicate() for p in pmodel.parameters())}
+
+
+def test_a_buffer_write_computes_what_eager_copy_does_forward_and_backward():
+    # "derivative for aten::copy is not implemented" at the first backward, from deep inside torch
+    torch.manual_seed(0)
+    model = _KeysWrittenIntoABuffer(cast_to=torch.float32).double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    captured = capture(model, (x,))
+    assert not any(n.target is torch.ops.aten.copy.default for n in captured.gm.graph.nodes)
+    params = dict(model.named_parameters())
+    feeds = [params[captured.params[n.name]] if n.name in captured.params else x
+             for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    out, ref_out = captured.gm(*feeds)[0], model(x)
+    cotangent = torch.randn(out.shape, dtype=out.dtype)
+    grads = torch.autograd.grad(out, list(params.values()), cotangent)
+    ref_grads = torch.autograd.grad(ref_out, list(params.values()), cotangent)
+    assert torch.equal(out, ref_out)
+    for grad, ref_grad in zip(grads, ref_grads):  # cast, then summed over the broadcast, as eager does
+        assert torch.equal(grad, ref_grad)
+
+
+def test_keys_written_into_a_buffer_train_like_one_device(ranks2):
+    model = _KeysWrittenIntoABuffer().double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    whole = autojigsaw.plan(model, (x,), {"tensor": 1}, device="cpu").memory_per_rank
+    plan = autojigsaw.plan(model, (x,), {"tensor": 2}, device="cpu", memory_budget=int(0.8 * whole))
+    for r in ranks2.run(_buffer_writes_train, plan.to_json()):
+        assert r["sharded"] > 0, plan.table()
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12, r
+
