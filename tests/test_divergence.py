@@ -147,14 +147,18 @@ class _Scaled(torch.nn.Module):
         return self.proj(x) * self.scale
 
 
-def _scale_set_per_rank():
-    """parallelize's error where each rank scales by another constant (same weights, same shapes)."""
+def _scale_set_per_rank(hash_seeds: tuple[str, str] = ("0", "0")):
+    """parallelize's error where each rank scales by another constant (same weights, same shapes), each rank's
+    PYTHONHASHSEED set to its entry of `hash_seeds` (as its launcher would have)."""
     torch.manual_seed(0)
+    os.environ["PYTHONHASHSEED"] = hash_seeds[torch.distributed.get_rank()]
     try:
         autojigsaw.parallelize(_Scaled(1.0 + torch.distributed.get_rank()), get_mesh((2,), ("tensor",)),
                                (torch.randn(4, 8, 16, dtype=torch.float64),), compile=False)
     except ValueError as e:
         return str(e)
+    finally:
+        os.environ["PYTHONHASHSEED"] = "0"
     return None
 
 
@@ -163,6 +167,15 @@ def test_a_constant_that_differs_by_rank_is_found_in_the_traced_program(ranks2):
     for message in ranks2.run(_scale_set_per_rank, timeout=120):
         assert message is not None and "ranks disagree on the program" in message, message
         assert "ranks [0]" in message and "ranks [1]" in message and "set per rank" in message, message
+        assert "PYTHONHASHSEED" not in message, message  # every rank hashes alike: not the cause
+
+
+def test_a_program_that_differs_where_ranks_hash_strings_apart_names_the_hash_seed(ranks2):
+    # torchrun leaves each rank its own random hash seed: a loop over a set of strings (ModernBERT) then traced
+    # its ops in another order on each rank, and the error blamed the model code alone
+    for message in ranks2.run(_scale_set_per_rank, ("1", "2"), timeout=120):
+        assert "ranks disagree on the program" in message, message
+        assert "Launch every rank with the same seed: PYTHONHASHSEED=0 torchrun" in message, message
 
 
 def _capture_fails_on_rank1():

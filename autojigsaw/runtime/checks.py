@@ -62,15 +62,17 @@ def check_agreement(facts: dict[str, str]) -> None:
     what differs and on which ranks (a rank whose planning failed says so in its "plan")."""
     mine = {"versions": installed_versions(), **facts}
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, (mine, os.environ.get("PYTHONHASHSEED")))
     for key in mine:
         by_value: dict[str, list[int]] = {}
-        for rank, theirs in enumerate(gathered):
+        for rank, (theirs, _) in enumerate(gathered):
             by_value.setdefault(str(theirs.get(key)), []).append(rank)
         if len(by_value) > 1:
             seen = "; ".join(f"ranks {ranks}: {value[:300]}" for value, ranks in by_value.items())
+            seeds = {seed for _, seed in gathered}
+            hint = _HASH_SEED_HINT if key == "program" and (len(seeds) > 1 or seeds & {None, "random"}) else ""
             raise ValueError(f"ranks disagree on the {key} ({seen}): give every rank the same "
-                             f"{_FIX.get(key, key)}, or plan once and pass plan=")
+                             f"{_FIX.get(key, key)}, or plan once and pass plan={hint}")
 
 
 def installed_versions() -> str:
@@ -83,3 +85,7 @@ _FIX = {"versions": "installation (torch and autojigsaw versions)", "model": "mo
         "an attribute set per rank, a branch on the rank)", "plan": "model, inputs and options",
         "options": "options to parallelize (memory_budget, device, optimizer, mp_policy, ...)"}
 _VERSION = version("autojigsaw")
+_HASH_SEED_HINT = (". The ranks also hash strings with different seeds (PYTHONHASHSEED is not one value on every "
+                   "rank): a model that loops over a set of strings (ModernBERT's rotary embeddings, one per "
+                   "attention kind) traces its ops in another order on each rank. Launch every rank with the same "
+                   "seed: PYTHONHASHSEED=0 torchrun ...")

@@ -103,8 +103,14 @@ class LocalRanks:
             )
             for r in range(self.world_size)
         ]
-        for p in self._procs:
-            p.start()
+        seed = os.environ.get("PYTHONHASHSEED")
+        os.environ["PYTHONHASHSEED"] = seed or "0"  # every rank hashes strings alike (README: launching)
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            if seed is None:
+                del os.environ["PYTHONHASHSEED"]
         # Starting torch takes seconds: wait for every worker here, not in a task's timeout.
         ready = 0
         while ready < self.world_size:
