@@ -2,6 +2,8 @@
 
 - A custom autograd.Function whose backward is its forward's derivative written out (Bloom's GELU)
   trains; one whose backward is another (a straight-through round, a gradient reversal) is refused.
+- Many outputs beside a loss (CLIP returns ten): each may come back as planned, which made the output's
+  strategies a product past memory.
 - Keys written into a new buffer slice by slice (`k.new_empty(...)[..., :n].copy_(x)`, DeepSeek-V3's
   attention): export makes each write an aten.copy, which eager autograd cannot differentiate.
 """
@@ -10,10 +12,12 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.capture.custom_functions import TensorArg, backward_is_derivative
+from autojigsaw.strategies.annotate import MAX_OUTPUT_STRATEGIES
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .side_by_side import max_diff
@@ -185,3 +189,24 @@ def test_keys_written_into_a_buffer_train_like_one_device(ranks2):
         assert r["sharded"] > 0, plan.table()
         assert r["output"] <= 1e-12 and r["grad"] <= 1e-12, r
 
+
+
+class _ManyOutputs(nn.Module):
+    """A loss and ten more tensors, as CLIP returns (logits both ways, embeddings, hidden states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(16, 8 * (k + 1)) for k in range(10))
+
+    def forward(self, x):
+        outs = [head(x) for head in self.heads]
+        return (sum(o.square().mean() for o in outs), *outs)
+
+
+def test_many_outputs_beside_a_loss_plan_in_seconds():
+    # 16 placements each on 2x2: the output node had 16^10 strategies (20 GB and minutes for CLIP)
+    plan = autojigsaw.plan(_ManyOutputs(), (torch.randn(4, 6, 16),), {"domain": 2, "tensor": 2}, device="cpu")
+    whole = (Replicate(), Replicate())
+    assert plan.output_placements[0] == whole  # the loss
+    # 16^3 = MAX_OUTPUT_STRATEGIES: the three largest outputs come back as planned, the seven others whole
+    assert MAX_OUTPUT_STRATEGIES == 16 ** 3 and all(p == whole for p in plan.output_placements[1:8]), plan.table()

@@ -284,15 +284,17 @@ def test_table_summary_and_explanation_of_every_candidate():
 
 
 def test_a_search_stopped_by_the_time_limit_keeps_a_plan_that_fits_and_says_its_gap():
-    """A tight budget on 2 x 2 makes an MILP whose relaxation is far from integral (30 s to prove here)."""
+    """A tight budget on 2 x 2 makes an MILP whose relaxation is far from integral (7-8 s to prove on an idle
+    machine since the solver's starting plans, 30 s before)."""
     from .side_by_side import build, replicated_bytes
 
     model, inputs = build("vit")
     problem = _problem(model, inputs, {"domain": 2, "tensor": 2}, tie_layers=False)
     budget = 0.6 * replicated_bytes("vit", torch.float64)
-    # 8 s: a plan is found in ~3 s even beside another busy process (2 s was not always enough)
-    with pytest.warns(UserWarning, match="time limit of 8 s reached; the plan is within"):
-        solution = solve(problem, budget, time_limit=8.0)
+    # 5 s: a plan is found in ~3 s even beside another busy process (2 s was not always enough), and the
+    # proof needs longer (at 8 s it sometimes finished: no warning)
+    with pytest.warns(UserWarning, match="time limit of 5 s reached; the plan is within"):
+        solution = solve(problem, budget, time_limit=5.0)
     assert 0 < solution.gap < 1 and solution.peak_memory <= budget * (1 + 1e-6)
     assert problem.memory.peak(solution.choice)[0] == solution.peak_memory
 

@@ -21,6 +21,7 @@ def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, m
     if not regime.fsdp or not axes or device_mesh.mesh.shape[axes[0]] == 1:
         return
     _check_one_dtype(module, device_mesh.mesh_dim_names[axes[0]])
+    _check_no_scalars(module, device_mesh.mesh_dim_names[axes[0]])
     kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
     with torch.inference_mode(False):  # shards made under inference_mode could never train
         fully_shard(module, mesh=device_mesh,
@@ -47,3 +48,15 @@ def _check_one_dtype(module: torch.nn.Module, axis: str) -> None:
             f"have dtypes {sorted(str(d) for d in by_dtype)} ({names[0]!r} is {dtype}). "
             "Give every parameter one dtype (a complex weight as a real one of shape [..., 2], "
             "torch.view_as_complex in the forward), or use data_parallel='ddp'")
+
+
+def _check_no_scalars(module: torch.nn.Module, axis: str) -> None:
+    """FSDP2 shards each parameter's dim 0, and a scalar has none (CLIP's logit_scale): a bare error from
+    inside fully_shard otherwise."""
+    scalars = [name for name, p in module.named_parameters() if p.ndim == 0]
+    if scalars:
+        raise ValueError(
+            f"data_parallel='fsdp' on mesh axis {axis!r} shards every parameter along its first dim, and "
+            f"{scalars[0]!r} is a scalar{f' (and {len(scalars) - 1} more)' if len(scalars) > 1 else ''}. Use "
+            "data_parallel='ddp' (the weights whole on that axis, their gradients summed over it), or make it a "
+            "tensor of shape [1]")

@@ -92,12 +92,7 @@ def node_strategies(node: Node, mesh: MeshSpec, fixed: dict[str, Placements] | N
             cache[key] = found
         return cache[key]
     if node.op == "output":
-        n_out = len(tensor_inputs(node))
-        wanted = tuple(outputs) if outputs is not None else (replicated(mesh.ndim),) * n_out
-        # None: the planner chooses among what the producer can make (an output the caller keeps local)
-        choices = [[w] if w is not None else _candidates(src, i, cache)
-                   for w, (src, i) in zip(wanted, tensor_inputs(node))]
-        return [Strategy(combo, ()) for combo in itertools.product(*choices)]
+        return [Strategy(combo, ()) for combo in itertools.product(*_output_choices(node, mesh, outputs, cache))]
     inputs = tensor_inputs(node)
     candidates = [_candidates(src, i, cache) for src, i in inputs]
     if cache is None:
@@ -108,6 +103,27 @@ def node_strategies(node: Node, mesh: MeshSpec, fixed: dict[str, Placements] | N
         # Equal lists become one object, so the readers of repeated layers hit the cache too.
         cache[key] = cache.setdefault(("list", tuple(found)), found)
     return cache[key]
+
+
+MAX_OUTPUT_STRATEGIES = 4096
+
+
+def _output_choices(node: Node, mesh: MeshSpec, outputs: Sequence[Placements] | None, cache) -> list[list]:
+    """The placements each graph output may come back in. A None in `outputs` (beside a returned loss)
+    lets the planner choose among what its producer makes; the output node's strategies are the product
+    of the choices, so past MAX_OUTPUT_STRATEGIES (CLIP returns ten tensors beside its loss: 16^10 on a
+    2x2 mesh) the smallest free outputs come back whole, as they do where no loss is returned."""
+    inputs = tensor_inputs(node)
+    wanted = tuple(outputs) if outputs is not None else (replicated(mesh.ndim),) * len(inputs)
+    choices = [[w] if w is not None else _candidates(src, i, cache) for w, (src, i) in zip(wanted, inputs)]
+    free = sorted((k for k, w in enumerate(wanted) if w is None),
+                  key=lambda k: -output_values(inputs[k][0])[inputs[k][1]].numel())
+    count = 1
+    for k in free:
+        if count * len(choices[k]) > MAX_OUTPUT_STRATEGIES:
+            choices[k] = [replicated(mesh.ndim)]
+        count *= len(choices[k])
+    return choices
 
 
 def _strategies(node: Node, mesh: MeshSpec, inputs, candidates) -> list[Strategy]:
