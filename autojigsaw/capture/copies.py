@@ -1,7 +1,7 @@
 """Writes into a buffer (`key = x.new_empty(...); key[..., :k].copy_(a)`, as DeepSeek-V3's attention builds
 its keys) become `aten.copy(slice, a)` once export makes the graph functional. That op has no derivative in
 eager autograd ("derivative for aten::copy is not implemented" at the first backward), so each is replaced by
-what it computes: its source, cast to the destination's dtype and broadcast to its shape.
+what it computes: its source, broadcast to the destination's shape and cast to its dtype.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ aten = torch.ops.aten
 
 
 def differentiable_copies(gm: GraphModule) -> None:
-    """Replace every aten.copy(dst, src) of `gm` by src cast to dst's dtype and expanded to its shape."""
+    """Replace every aten.copy(dst, src) of `gm` by src expanded to dst's shape and cast to its dtype."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.copy.default and not node.kwargs:
             node.replace_all_uses_with(_as_written(gm, node))
