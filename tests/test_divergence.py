@@ -151,6 +151,7 @@ def _scale_set_per_rank(hash_seeds: tuple[str, str] = ("0", "0")):
     """parallelize's error where each rank scales by another constant (same weights, same shapes), each rank's
     PYTHONHASHSEED set to its entry of `hash_seeds` (as its launcher would have)."""
     torch.manual_seed(0)
+    launched = os.environ.get("PYTHONHASHSEED")
     os.environ["PYTHONHASHSEED"] = hash_seeds[torch.distributed.get_rank()]
     try:
         autojigsaw.parallelize(_Scaled(1.0 + torch.distributed.get_rank()), get_mesh((2,), ("tensor",)),
@@ -158,7 +159,10 @@ def _scale_set_per_rank(hash_seeds: tuple[str, str] = ("0", "0")):
     except ValueError as e:
         return str(e)
     finally:
-        os.environ["PYTHONHASHSEED"] = "0"
+        if launched is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = launched
     return None
 
 

@@ -21,6 +21,7 @@ from autojigsaw.strategies.annotate import MAX_OUTPUT_STRATEGIES
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .side_by_side import max_diff
+from .test_errors import _RoundThrough  # a straight-through round, refused there through parallelize
 
 
 class _FusedGelu(torch.autograd.Function):
@@ -52,16 +53,6 @@ class _Scaled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.a, None
-
-
-class _RoundThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class _Reverse(torch.autograd.Function):
