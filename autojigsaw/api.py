@@ -147,7 +147,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
     return plan_captured(captured, mesh, options)
 
 
-def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = None, *, compile: bool = True,
+def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = None, *, compile: bool | str = True,
                 training: bool = True, memory_budget: int | None = None, device: str | DeviceSpec | None = None,
                 input_placements: Sequence[Placements | None] | None = None,
                 output_placements: Sequence[Placements] | None = None, example_kwargs: Mapping | None = None,
@@ -162,7 +162,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     - `example_inputs` / `example_kwargs`: one call's inputs, planned for now; None: planned
       at the first call, like torch.compile. A call with other input shapes is planned again
       with the parameters kept in place (one plan per shape, cached).
-    - `compile`: torch.compile the rewritten graph (fullgraph).
+    - `compile`: torch.compile the rewritten graph (fullgraph); a string names the backend
+      ("aot_eager": graph breaks and the traced backward checked, no kernels generated).
     - `training`: plan and run forward + backward (True) or forward only.
     - `memory_budget`: bytes per rank; None: this rank's free device memory (on CPU the host
       memory divided by the local ranks).
@@ -219,7 +220,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
 
 
 def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
-             options: Options, compile: bool, dynamic: bool = False, pinned: dict[str, Placements] | None = None,
+             options: Options, compile: bool | str, dynamic: bool = False, pinned: dict[str, Placements] | None = None,
              reuse: Program | None = None) -> Program:
     """One rank's program: capture, plan (unless given), materialize its shards, rewrite, compile.
 
@@ -263,8 +264,14 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
     gm = checkpoint_layers(gm, captured, plan)
-    return Program(captured, plan, rank, gm, torch.compile(gm, fullgraph=True) if compile else gm,
-                   options.regime.precision, symbolic)
+    return Program(captured, plan, rank, gm, _compiled(gm, compile), options.regime.precision, symbolic)
+
+
+def _compiled(gm: torch.fx.GraphModule, compile: bool | str) -> torch.nn.Module:
+    """gm under torch.compile (fullgraph), with the backend `compile` names; gm itself if False."""
+    if not compile:
+        return gm
+    return torch.compile(gm, fullgraph=True, backend=compile if isinstance(compile, str) else "inductor")
 
 
 def _symbolic(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime) -> Captured | None:

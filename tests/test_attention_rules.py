@@ -153,7 +153,7 @@ def test_softmax_matches_single_device(ranks2, ranks4, op, mesh, shape, dim, dty
 
 
 def test_compiled_zigzag_ring_has_no_graph_breaks(ranks2):
-    """The one compiled case (the slowest test): relayouts, ring hops and their backward, one graph."""
+    """The one compiled case: relayouts, ring hops and their backward, one graph."""
     for r in ranks2.run(compiled_case, ("ring_attention_zigzag", "S(2)"), 12, 2, timeout=600):
         assert r["breaks"] == 0 and r["graphs"] == 1, r
         assert all(e <= TOL[F32] for e in r["errors"].values()), r
