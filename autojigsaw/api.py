@@ -43,6 +43,7 @@ from .runtime.fsdp import shard_over_data_axis
 from .runtime.materialize import materialize_model
 from .runtime.module import ParallelModule, Program
 from .runtime.one_plan import planned_on_rank0
+from .runtime.one_program import follow_rank0_order
 from .runtime.same_values import check_same_values, values_to_agree
 from .strategies.annotate import annotate
 from .strategies.data_pins import data_pins
@@ -231,7 +232,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     """
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
-    captured, failed = None, None
+    captured, symbolic, failed = None, None, None
     try:
         refuse_backward_hooks(model)  # the program's backward runs none of them
         if reuse is not None:
@@ -239,14 +240,21 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
         else:
             symbolic = _symbolic(model, args, kwargs, options.regime) if dynamic else None
         captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, options.regime)
-        if reuse is not None:
+    except Exception as e:  # noqa: BLE001 -- told to the other ranks first (none waits for this one), then raised
+        failed = e
+    follow_rank0_order(captured)  # before any plan names its nodes
+    try:
+        if failed is None and reuse is not None:
             plan = _reused(captured, reuse.plan)
             symbolic = symbolic if plan is not None else None
-        if plan is not None:
+        if failed is None and plan is not None:
             check_plan(plan, mesh)
+    except Exception as e:  # noqa: BLE001 -- as above
+        failed = e
+    if failed is not None:
+        plan_fact = f"none: {(str(failed) or type(failed).__name__).splitlines()[0]}"
+    else:
         plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
-    except Exception as e:  # noqa: BLE001 -- told to the other ranks first (none waits for this one), then raised
-        plan_fact, failed = f"none: {(str(e) or type(e).__name__).splitlines()[0]}", e
     # every rank agrees on the model and on the plan, or on what rank 0 is to plan, before it is made
     facts = _facts(captured) if captured is not None else {"model": f"not captured ({plan_fact})"}
     check_agreement({**facts, "plan": plan_fact, "options": _options_fact(options)})

@@ -4,6 +4,8 @@
   trains; one whose backward is another (a straight-through round, a gradient reversal) is refused.
 - Many outputs beside a loss (CLIP returns ten): each may come back as planned, which made the output's
   strategies a product past memory.
+- The same ops traced in another order on each rank (ModernBERT loops over a set of strings, whose order
+  is each process' hash seed's): every rank takes rank 0's order and names.
 - Keys written into a new buffer slice by slice (`k.new_empty(...)[..., :n].copy_(x)`, DeepSeek-V3's
   attention): export makes each write an aten.copy, which eager autograd cannot differentiate.
 """
@@ -201,3 +203,51 @@ def test_many_outputs_beside_a_loss_plan_in_seconds():
     assert plan.output_placements[0] == whole  # the loss
     # 16^3 = MAX_OUTPUT_STRATEGIES: the three largest outputs come back as planned, the seven others whole
     assert MAX_OUTPUT_STRATEGIES == 16 ** 3 and all(p == whole for p in plan.output_placements[1:8]), plan.table()
+
+
+class _TablePerKind(nn.Module):
+    """ModernBERT's rotary tables: one per attention kind, built in a loop over a set of kind names, whose
+    order is the process' string hash seed's; here `kinds` gives each rank its own order."""
+
+    def __init__(self, kinds: tuple[str, str]):
+        super().__init__()
+        self.kinds = kinds
+        self.up, self.down = nn.Linear(16, 64, dtype=torch.float64), nn.Linear(64, 16, dtype=torch.float64)
+
+    def forward(self, x):
+        tables = {}
+        for kind in self.kinds:
+            tables[kind] = torch.cos(torch.arange(64, dtype=x.dtype) / (1e4 if kind == "global" else 160.0))
+        h = self.up(x)
+        return self.down(torch.relu(h * tables["global"]) + h * tables["local"])
+
+
+def _tables_in_rank_order_train(budget: int) -> dict:
+    torch.manual_seed(0)
+    ref = _TablePerKind(("global", "local") if torch.distributed.get_rank() == 0 else ("local", "global"))
+    x = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
+                                    memory_budget=budget)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pmodel, ref)]
+    diffs = dict.fromkeys(("output", "grad", "param"), 0.0)
+    for _ in range(2):
+        out, ref_out = pmodel(x), ref(x)
+        diffs["output"] = max(diffs["output"], max_diff(out, ref_out))
+        out.square().sum().backward(), ref_out.square().sum().backward()
+        diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
+                                             for p, q in zip(pmodel.parameters(), ref.parameters())))
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    diffs["param"] = max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters()))
+    diffs["sharded"] = sum(not p.placements[0].is_replicate() for p in pmodel.parameters())
+    return diffs
+
+
+def test_ops_traced_in_another_order_on_each_rank_train_like_one_device(ranks2):
+    # under torchrun each rank hashes strings with its own seed: ModernBERT stopped at "ranks disagree on the
+    # program" unless launched with one PYTHONHASHSEED
+    model, x = _TablePerKind(("global", "local")), torch.randn(4, 8, 16, dtype=torch.float64)
+    whole = autojigsaw.plan(model, (x,), {"tensor": 1}, device="cpu").memory_per_rank
+    for r in ranks2.run(_tables_in_rank_order_train, int(0.6 * whole)):
+        assert r["sharded"] > 0
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r

@@ -86,6 +86,6 @@ _FIX = {"versions": "installation (torch and autojigsaw versions)", "model": "mo
         "options": "options to parallelize (memory_budget, device, optimizer, mp_policy, ...)"}
 _VERSION = version("autojigsaw")
 _HASH_SEED_HINT = (". The ranks also hash strings with different seeds (PYTHONHASHSEED is not one value on every "
-                   "rank): a model that loops over a set of strings (ModernBERT's rotary embeddings, one per "
-                   "attention kind) traces its ops in another order on each rank. Launch every rank with the same "
-                   "seed: PYTHONHASHSEED=0 torchrun ...")
+                   "rank): a model that chooses by the order of a set of strings computes another program on each "
+                   "rank (the same ops traced in another order are put in rank 0's, not this). Launch every rank "
+                   "with the same seed: PYTHONHASHSEED=0 torchrun ...")
