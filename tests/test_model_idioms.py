@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate
 import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.capture.custom_functions import TensorArg, backward_is_derivative
+from autojigsaw.capture.order import in_order, program_order
 from autojigsaw.strategies.annotate import MAX_OUTPUT_STRATEGIES
 from autojigsaw.testing.local_ranks import get_mesh
 
@@ -220,6 +221,17 @@ class _TablePerKind(nn.Module):
             tables[kind] = torch.cos(torch.arange(64, dtype=x.dtype) / (1e4 if kind == "global" else 160.0))
         h = self.up(x)
         return self.down(torch.relu(h * tables["global"]) + h * tables["local"])
+
+
+def test_a_program_traced_in_another_order_takes_the_first_ones_order_and_names():
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    first, second = (capture(_TablePerKind(kinds), (x,)).gm for kinds in (("global", "local"), ("local", "global")))
+    assert first.code != second.code  # the two tables' ops (same shapes, other constants) swap names
+    assert in_order(second, program_order(first.graph)).code == first.code
+    other = _TablePerKind(("global", "local"))
+    other.forward = lambda x: other.down(torch.relu(other.up(x)))  # computes something else: kept as it is
+    kept = capture(other, (x,)).gm
+    assert in_order(kept, program_order(first.graph)) is kept
 
 
 def _tables_in_rank_order_train(budget: int) -> dict:
