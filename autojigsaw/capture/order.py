@@ -3,8 +3,8 @@
 A model that loops over a set of strings (ModernBERT builds one rotary embedding per attention kind)
 traces the same ops in an order that depends on the process' string hash seed, which torchrun leaves
 random per rank, and names them in that order. Each node gets a key from what it computes (its op,
-constants and the keys of its inputs, never its name), so that a rank whose keys are another rank's
-in another order can take that rank's order and names. A program that differs in what it computes
+constants and its inputs' keys) and where its value goes (its users' keys), never from its name, so
+that a rank whose keys are another rank's in another order can take that rank's order and names. A program that differs in what it computes
 keeps its own, and the ranks' agreement check names the difference.
 """
 
