@@ -4,7 +4,8 @@ A dedicated pool of 2 ranks with a 5 s collective timeout (a hang fails the test
 The survivor's error is a CollectiveError (a RuntimeError) whose message names the collective,
 the mesh axis and the graph node it served; gloo's own error stays chained as its cause. The
 kernels that overlap their own collectives (fused linears, ring attention, zigzag) raise the same,
-and a rank waiting for rank 0's plan says why it stopped waiting.
+and a rank waiting for rank 0's plan, or for its traced program (parallelize's first exchange), says
+why it stopped waiting.
 """
 
 import json
@@ -21,6 +22,7 @@ from autojigsaw.kernels.collectives import CollectiveError
 from autojigsaw.kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
 from autojigsaw.mesh import MeshAxis
 from autojigsaw.runtime.one_plan import planned_on_rank0
+from autojigsaw.runtime.one_program import follow_rank0_order
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from .models import build
@@ -115,12 +117,15 @@ def test_a_dead_peer_in_any_kernel_raises_a_collective_error(tmp_path):
                                                            "all_to_all"), (name, msg)
 
 
-def _rank0_gone_before_its_plan(report: str) -> dict:
+def _rank0_gone_before_it_sends(exchange: str, report: str) -> dict:
     if torch.distributed.get_rank() == 0:
         os._exit(1)  # as a rank 0 that planned for longer than the group's timeout, seen from rank 1
     start = time.perf_counter()
     try:
-        planned_on_rank0(lambda: None)
+        if exchange == "plan":
+            planned_on_rank0(lambda: None)
+        else:  # the first exchange of parallelize: rank 0's order of the traced program
+            follow_rank0_order(None)
         out = {"raised": None}
     except RuntimeError as e:
         out = {"raised": str(e)}
@@ -128,9 +133,11 @@ def _rank0_gone_before_its_plan(report: str) -> dict:
     return _write(report, out)
 
 
-def test_a_rank_waiting_for_rank_0s_plan_raises_in_time_saying_why(tmp_path):
-    got, pool_raised = _survivors_report(tmp_path, _rank0_gone_before_its_plan)
+@pytest.mark.parametrize("exchange,says", [
+    ("plan", ("rank 0's plan did not arrive", "timeout=", "pass plan= to parallelize")),
+    ("program", ("rank 0's traced program did not arrive", "call parallelize alike on every rank"))])
+def test_a_rank_waiting_for_rank_0_raises_in_time_saying_why(tmp_path, exchange, says):
+    got, pool_raised = _survivors_report(tmp_path, _rank0_gone_before_it_sends, exchange)
     assert pool_raised  # rank 0 is gone
     assert got["raised"] and got["seconds"] <= 2 * TIMEOUT + 5, got
-    assert "rank 0's plan did not arrive" in got["raised"] and "timeout=" in got["raised"], got
-    assert "pass plan= to parallelize" in got["raised"], got
+    assert all(phrase in got["raised"] for phrase in says), got

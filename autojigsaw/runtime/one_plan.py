@@ -18,21 +18,29 @@ def planned_on_rank0(make: Callable[[], Plan]) -> Plan:
     """`make()` on rank 0 alone; its Plan, or the error it raised, on every rank."""
     if dist.get_world_size() == 1:
         return make()
-    box: list = [None]
+    sent = None
     if dist.get_rank() == 0:
         try:
-            box[0] = make()
+            sent = make()
         except Exception as e:  # sent too: the other ranks raise it instead of waiting for a plan
-            box[0] = _sendable(e)
+            sent = _sendable(e)
+    sent = from_rank0(sent, "rank 0's plan", "Planning on rank 0 took longer than the process group's timeout, or "
+                      "rank 0 stopped: give init_process_group a longer timeout=, or plan once with autojigsaw.plan "
+                      "and pass plan= to parallelize")
+    if isinstance(sent, BaseException):
+        raise sent
+    return sent
+
+
+def from_rank0(value, what: str, why_late: str):
+    """Rank 0's `value` on every rank (one broadcast, which every rank joins); where it does not arrive
+    within the process group's timeout, a RuntimeError naming `what` and saying `why_late`."""
+    box = [value]
     try:
         dist.broadcast_object_list(box, src=0)
     except RuntimeError as e:  # gloo's and NCCL's timeouts are RuntimeErrors
-        raise RuntimeError(f"rank {dist.get_rank()}: rank 0's plan did not arrive ({str(e).splitlines()[0]}). "
-                           "Planning on rank 0 took longer than the process group's timeout, or rank 0 "
-                           "stopped: give init_process_group a longer timeout=, or plan once with "
-                           "autojigsaw.plan and pass plan= to parallelize") from e
-    if isinstance(box[0], BaseException):
-        raise box[0]
+        raise RuntimeError(f"rank {dist.get_rank()}: {what} did not arrive ({str(e).splitlines()[0]}). "
+                           f"{why_late}") from e
     return box[0]
 
 

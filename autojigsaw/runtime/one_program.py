@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from ..capture import Captured
 from ..capture.order import in_order, program_order
+from .one_plan import from_rank0
 
 
 def follow_rank0_order(captured: Captured | None) -> None:
@@ -13,7 +14,9 @@ def follow_rank0_order(captured: Captured | None) -> None:
     which every rank joins, a rank that could not capture the model too)."""
     if dist.get_world_size() == 1:
         return
-    box = [program_order(captured.gm.graph) if captured is not None and dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    if captured is not None and box[0] is not None:
-        captured.gm = in_order(captured.gm, box[0])
+    mine = program_order(captured.gm.graph) if captured is not None and dist.get_rank() == 0 else None
+    order = from_rank0(mine, "rank 0's traced program", "Rank 0 stopped before parallelize's first exchange, or "
+                       "another rank raised before it (an argument that differs by rank): call parallelize alike "
+                       "on every rank")
+    if captured is not None and order is not None:
+        captured.gm = in_order(captured.gm, order)
