@@ -4,8 +4,8 @@ A dedicated pool of 2 ranks with a 5 s collective timeout (a hang fails the test
 The survivor's error is a CollectiveError (a RuntimeError) whose message names the collective,
 the mesh axis and the graph node it served; gloo's own error stays chained as its cause. The
 kernels that overlap their own collectives (fused linears, ring attention, zigzag) raise the same,
-and a rank waiting for rank 0's plan, or for its traced program (parallelize's first exchange), says
-why it stopped waiting.
+and a rank waiting for rank 0's plan, its traced program or the ranks' free memory (parallelize's
+first exchanges) says why it stopped waiting.
 """
 
 import json
@@ -21,6 +21,7 @@ from autojigsaw.kernels.attention import ring_attention, to_zigzag
 from autojigsaw.kernels.collectives import CollectiveError
 from autojigsaw.kernels.matmul import all_gather_linear, linear_reduce_scatter, summa_linear
 from autojigsaw.mesh import MeshAxis
+from autojigsaw.runtime.checks import default_budget
 from autojigsaw.runtime.one_plan import planned_on_rank0
 from autojigsaw.runtime.one_program import follow_rank0_order
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
@@ -124,8 +125,10 @@ def _rank0_gone_before_it_sends(exchange: str, report: str) -> dict:
     try:
         if exchange == "plan":
             planned_on_rank0(lambda: None)
-        else:  # the first exchange of parallelize: rank 0's order of the traced program
+        elif exchange == "program":  # parallelize's first exchange where a memory budget is given
             follow_rank0_order(None)
+        else:  # its first where none is: the ranks' free memory
+            default_budget(None)
         out = {"raised": None}
     except RuntimeError as e:
         out = {"raised": str(e)}
@@ -135,7 +138,8 @@ def _rank0_gone_before_it_sends(exchange: str, report: str) -> dict:
 
 @pytest.mark.parametrize("exchange,says", [
     ("plan", ("rank 0's plan did not arrive", "timeout=", "pass plan= to parallelize")),
-    ("program", ("rank 0's traced program did not arrive", "call parallelize alike on every rank"))])
+    ("program", ("rank 0's traced program did not arrive", "call parallelize alike on every rank")),
+    ("budget", ("the ranks' free memory did not arrive", "call parallelize alike on every rank"))])
 def test_a_rank_waiting_for_rank_0_raises_in_time_saying_why(tmp_path, exchange, says):
     got, pool_raised = _survivors_report(tmp_path, _rank0_gone_before_it_sends, exchange)
     assert pool_raised  # rank 0 is gone

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..mesh import MeshSpec
 from ..plan import Plan
+from .exchange import from_every_rank
 
 
 def device_of(mesh) -> str:
@@ -31,9 +32,7 @@ def default_budget(device_mesh) -> int:
         mine = int(0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_ranks, 1))
     if not dist.is_initialized():
         return mine
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)  # one plan for all: it must fit the rank with the least free
-    return min(every)
+    return min(from_every_rank(mine, "the ranks' free memory"))  # one plan for all: it must fit the emptiest
 
 
 def check_group(device_mesh, mesh: MeshSpec) -> None:
@@ -61,8 +60,7 @@ def check_agreement(facts: dict[str, str]) -> None:
     not match up: one exchange of small facts, before any collective of the step, and an error naming
     what differs and on which ranks (a rank whose planning failed says so in its "plan")."""
     mine = {"versions": installed_versions(), **facts}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, os.environ.get("PYTHONHASHSEED")))
+    gathered = from_every_rank((mine, os.environ.get("PYTHONHASHSEED")), "the ranks' facts (model, inputs, plan)")
     for key in mine:
         by_value: dict[str, list[int]] = {}
         for rank, (theirs, _) in enumerate(gathered):

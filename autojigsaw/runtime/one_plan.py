@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ..plan import Plan
+from .exchange import from_rank0
 
 
 def planned_on_rank0(make: Callable[[], Plan]) -> Plan:
@@ -30,18 +31,6 @@ def planned_on_rank0(make: Callable[[], Plan]) -> Plan:
     if isinstance(sent, BaseException):
         raise sent
     return sent
-
-
-def from_rank0(value, what: str, why_late: str):
-    """Rank 0's `value` on every rank (one broadcast, which every rank joins); where it does not arrive
-    within the process group's timeout, a RuntimeError naming `what` and saying `why_late`."""
-    box = [value]
-    try:
-        dist.broadcast_object_list(box, src=0)
-    except RuntimeError as e:  # gloo's and NCCL's timeouts are RuntimeErrors
-        raise RuntimeError(f"rank {dist.get_rank()}: {what} did not arrive ({str(e).splitlines()[0]}). "
-                           f"{why_late}") from e
-    return box[0]
 
 
 def _sendable(error: Exception) -> Exception:

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from ..capture import Captured
 from ..capture.order import in_order, program_order
-from .one_plan import from_rank0
+from .exchange import from_rank0
 
 
 def follow_rank0_order(captured: Captured | None) -> None:
@@ -15,8 +15,6 @@ def follow_rank0_order(captured: Captured | None) -> None:
     if dist.get_world_size() == 1:
         return
     mine = program_order(captured.gm.graph) if captured is not None and dist.get_rank() == 0 else None
-    order = from_rank0(mine, "rank 0's traced program", "Rank 0 stopped before parallelize's first exchange, or "
-                       "another rank raised before it (an argument that differs by rank): call parallelize alike "
-                       "on every rank")
+    order = from_rank0(mine, "rank 0's traced program")
     if captured is not None and order is not None:
         captured.gm = in_order(captured.gm, order)

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import Captured
 from ..ir import draws_random_numbers
+from .exchange import from_every_rank
 from .init import recorded_draws
 
 SEED = "seed every rank alike (torch.manual_seed(0)) before building the model, or load the same weights"
@@ -44,8 +45,9 @@ def check_same_values(entries: list[tuple[str, str, torch.Tensor]]) -> None:
     if not entries or dist.get_world_size() == 1:
         return
     mine = torch.stack([_fingerprint(t) for _, _, t in entries]).cpu().tolist()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    gathered = from_every_rank(mine, "the ranks' checksums of their weights and inputs",
+                               "A rank stopped, or called the module fewer times than the others: call it alike "
+                               "on every rank")
     for k, (what, fix, _) in enumerate(entries):
         apart = [rank for rank, theirs in enumerate(gathered)
                  if not all(_same(a, b) for a, b in zip(theirs[k], gathered[0][k]))]
