@@ -120,7 +120,7 @@ def test_a_dead_peer_in_any_kernel_raises_a_collective_error(tmp_path):
 
 def _rank0_gone_before_it_sends(exchange: str, report: str) -> dict:
     if torch.distributed.get_rank() == 0:
-        os._exit(1)  # as a rank 0 that planned for longer than the group's timeout, seen from rank 1
+        os._exit(1)  # as a rank 0 that stopped, or planned past the group's timeout, seen from rank 1
     start = time.perf_counter()
     try:
         if exchange == "plan":

@@ -93,16 +93,14 @@ def _bloom():
     return model, (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
 
 
-def _bloom_trains(plan_json: str) -> dict:
-    ref, (ids,) = _bloom()
-    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (ids,), compile=False,
-                                    example_kwargs={"labels": ids}, plan=autojigsaw.Plan.from_json(plan_json))
+def _two_adam_steps(pmodel, ref, run) -> dict:
+    """Largest differences of two Adam steps of `pmodel` beside `ref`; `run(model)` gives (what to compare, loss)."""
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pmodel, ref)]
     diffs = dict.fromkeys(("output", "grad", "param"), 0.0)
     for _ in range(2):
-        out, ref_out = pmodel(ids, labels=ids), ref(ids, labels=ids)
-        diffs["output"] = max(diffs["output"], abs(out.loss.item() - ref_out.loss.item()))
-        out.loss.backward(), ref_out.loss.backward()
+        (out, loss), (ref_out, ref_loss) = run(pmodel), run(ref)
+        diffs["output"] = max(diffs["output"], max_diff(out, ref_out))
+        loss.backward(), ref_loss.backward()
         diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
                                              for p, q in zip(pmodel.parameters(), ref.parameters())))
         for opt in opts:
@@ -110,6 +108,18 @@ def _bloom_trains(plan_json: str) -> dict:
     diffs["param"] = max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters()))
     diffs["sharded"] = sum(not p.placements[0].is_replicate() for p in pmodel.parameters())
     return diffs
+
+
+def _bloom_trains(plan_json: str) -> dict:
+    ref, (ids,) = _bloom()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (ids,), compile=False,
+                                    example_kwargs={"labels": ids}, plan=autojigsaw.Plan.from_json(plan_json))
+
+    def run(model):
+        out = model(ids, labels=ids)
+        return out.loss.detach(), out.loss
+
+    return _two_adam_steps(pmodel, ref, run)
 
 
 def test_bloom_with_its_fused_gelu_function_trains_like_one_device(ranks2):
@@ -240,19 +250,12 @@ def _tables_in_rank_order_train(budget: int) -> dict:
     x = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
                                     memory_budget=budget)
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pmodel, ref)]
-    diffs = dict.fromkeys(("output", "grad", "param"), 0.0)
-    for _ in range(2):
-        out, ref_out = pmodel(x), ref(x)
-        diffs["output"] = max(diffs["output"], max_diff(out, ref_out))
-        out.square().sum().backward(), ref_out.square().sum().backward()
-        diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
-                                             for p, q in zip(pmodel.parameters(), ref.parameters())))
-        for opt in opts:
-            opt.step(), opt.zero_grad()
-    diffs["param"] = max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters()))
-    diffs["sharded"] = sum(not p.placements[0].is_replicate() for p in pmodel.parameters())
-    return diffs
+
+    def run(model):
+        out = model(x)
+        return out, out.square().sum()
+
+    return _two_adam_steps(pmodel, ref, run)
 
 
 def test_ops_traced_in_another_order_on_each_rank_train_like_one_device(ranks2):

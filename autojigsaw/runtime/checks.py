@@ -84,6 +84,6 @@ _FIX = {"versions": "installation (torch and autojigsaw versions)", "model": "mo
         "options": "options to parallelize (memory_budget, device, optimizer, mp_policy, ...)"}
 _VERSION = version("autojigsaw")
 _HASH_SEED_HINT = (". The ranks also hash strings with different seeds (PYTHONHASHSEED is not one value on every "
-                   "rank): a model that chooses by the order of a set of strings computes another program on each "
-                   "rank (the same ops traced in another order are put in rank 0's, not this). Launch every rank "
-                   "with the same seed: PYTHONHASHSEED=0 torchrun ...")
+                   "rank), so a model that chooses by the order of a set of strings computes another program on "
+                   "each rank (ops only traced in another order are put in rank 0's order instead). Launch every "
+                   "rank with the same seed: PYTHONHASHSEED=0 torchrun ...")

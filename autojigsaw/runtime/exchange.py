@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-# before parallelize's exchanges, a rank that stopped or raised leaves the others waiting
+# why a rank waits in vain at one of parallelize's exchanges before the step
 BEFORE_PARALLELIZE = ("A rank stopped, or raised before this exchange (an argument that differs by rank?): "
                       "call parallelize alike on every rank")
 
