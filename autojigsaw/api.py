@@ -11,7 +11,6 @@ import functools
 import hashlib
 import logging
 import numbers
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +19,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from .capture import Captured, at_sizes, capture, refuse_backward_hooks
+from .capture.order import without_device_indices
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
 from .cost_model.recompute import repeated_layers
@@ -322,8 +322,7 @@ def _facts(captured: Captured) -> dict[str, str]:
     model = hashlib.sha256(repr([(fqn, tuple(values[ph].shape), str(values[ph].dtype))
                                  for ph, fqn in sorted(captured.params.items(), key=lambda kv: kv[1])]).encode())
     inputs = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in captured.input_values]
-    program = hashlib.sha256(re.sub(r"device\(type='(\w+)', index=\d+\)", r"device(type='\1')",
-                                    captured.gm.code).encode())
+    program = hashlib.sha256(without_device_indices(captured.gm.code).encode())
     return {"model": model.hexdigest()[:16], "inputs": repr(inputs), "program": program.hexdigest()[:16]}
 
 

@@ -4,8 +4,9 @@ A model that loops over a set of strings (ModernBERT builds one rotary embedding
 traces the same ops in an order that depends on the process' string hash seed, which torchrun leaves
 random per rank, and names them in that order. Each node gets a key from what it computes (its op,
 constants and its inputs' keys) and where its value goes (its users' keys), never from its name, so
-that a rank whose keys are another rank's in another order can take that rank's order and names. A program that differs in what it computes
-keeps its own, and the ranks' agreement check names the difference.
+that a rank whose keys are another rank's in another order can take that rank's order and names. A
+program that differs in what it computes keeps its own, and the ranks' agreement check names the
+difference.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from torch.fx import Graph, GraphModule, Node
 Order = list[tuple[str, str]]  # (what a node computes, its name), in program order
 
 _DEVICE_INDEX = re.compile(r"(device\(type='\w+'), index=\d+\)")
+
+
+def without_device_indices(text: str) -> str:
+    """`text` (a graph's code, a node's arguments) with each device's index dropped: ranks differ there alone."""
+    return _DEVICE_INDEX.sub(r"\1)", text)
 
 
 def program_order(graph: Graph) -> Order:
@@ -58,7 +64,7 @@ def in_order(gm: GraphModule, order: Order) -> GraphModule:
 def _content(node: Node, keys: dict[Node, str]) -> str:
     """What a node computes, by its inputs' keys: its op, target and constants (device indices dropped)."""
     args = torch.fx.map_arg((node.args, node.kwargs), lambda n: _Key(keys[n]))
-    return _DEVICE_INDEX.sub(r"\1)", f"{node.op} {node.target} {args!r}")
+    return without_device_indices(f"{node.op} {node.target} {args!r}")
 
 
 def _digest(text: str) -> str:

@@ -14,7 +14,8 @@ def follow_rank0_order(captured: Captured | None) -> None:
     which every rank joins, a rank that could not capture the model too)."""
     if dist.get_world_size() == 1:
         return
-    mine = program_order(captured.gm.graph) if captured is not None and dist.get_rank() == 0 else None
-    order = from_rank0(mine, "rank 0's traced program")
-    if captured is not None and order is not None:
+    rank0 = dist.get_rank() == 0
+    order = from_rank0(program_order(captured.gm.graph) if captured is not None and rank0 else None,
+                       "rank 0's traced program")
+    if captured is not None and order is not None and not rank0:
         captured.gm = in_order(captured.gm, order)
