@@ -4,6 +4,7 @@ import statistics
 import time
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
@@ -75,6 +76,7 @@ def _resharded(plan: Plan, dims: dict[str, int]) -> Plan:
     return replace(plan, nodes=tuple(shard(n) for n in plan.nodes))
 
 
+@pytest.mark.timed  # timings are only comparable with no other test sharing the cores
 def test_predicted_step_times_rank_plans_as_measured(ranks2):
     spec = ranks2.run(_calibrate)[0]
     model, x = build("stack", torch.float32, **SIZES), (torch.randn(SHAPE),)
