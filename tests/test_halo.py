@@ -84,12 +84,12 @@ def test_unet_trains_like_one_device_with_its_points_sharded(ranks4, mesh, shape
     assert_matches(results, F64)
 
 
-def _halo_layouts(conv: nn.Module, shape, mesh: dict) -> set[str]:
-    """The layouts of x among the halo_conv strategies the conv rule offers `conv` on `mesh`."""
-    captured = capture(conv, (torch.empty(shape),))
+def _halo_layouts(module: nn.Module, shape, mesh: dict, op: str = "conv", kernel: str = "halo_conv") -> set[str]:
+    """The layouts of x among the `kernel` strategies offered to `module`'s first `op` node on `mesh`."""
+    captured = capture(module, (torch.empty(shape),))
     annotate(captured.gm, MeshSpec.of(mesh))
-    node = next(n for n in captured.gm.graph.nodes if n.name.startswith("conv"))
-    return {format_placements(s.inputs[0]) for s in node.meta[STRATEGIES] if s.kernel == "halo_conv"}
+    node = next(n for n in captured.gm.graph.nodes if n.name.startswith(op))
+    return {format_placements(s.inputs[0]) for s in node.meta[STRATEGIES] if s.kernel == kernel}
 
 
 def test_any_convolution_shards_its_rows_but_where_a_rank_would_hold_none():
@@ -200,12 +200,57 @@ class Stem(nn.Module):
         return self.smooth(self.pool(torch.tanh(self.conv(x) - 1)))  # mostly negative: padding must be -inf
 
 
-def test_overlapping_pooling_windows_fetch_their_rows_padded_as_the_pool_pads(ranks4):
-    x = torch.randn(1, 3, 32, 8, generator=torch.Generator().manual_seed(1), dtype=F64)  # rows: 32 -> 16 -> 8
-    make = partial(seeded, Stem, F64)
+class CeilPools(nn.Module):
+    """Pooling in ceil mode (GoogLeNet, Inception): a max pool whose last window runs past the rows
+    (14 -> 7), then an average pool whose last window ends in its padding (7 -> 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(3, stride=2, ceil_mode=True)
+        self.smooth = nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True)
+
+    def forward(self, x):
+        return self.smooth(self.pool(torch.tanh(self.conv(x) - 1)))  # mostly negative: past the end must be -inf
+
+
+@pytest.mark.parametrize("model, rows", [(Stem, 32), (CeilPools, 14)], ids=["stem", "ceil-mode"])
+def test_overlapping_pooling_windows_fetch_their_rows_padded_as_the_pool_pads(ranks4, model, rows):
+    x = torch.randn(1, 3, rows, 8, generator=torch.Generator().manual_seed(1), dtype=F64)  # stem: 32 -> 16 -> 8
+    make = partial(seeded, model, F64)
     plan, names = _plan_sharded(make, x, {"domain": 4}, "S(2)", ("conv2d", "max_pool2d", "avg_pool2d"))
     assert [plan.node(n).kernel for n in names] == ["halo_conv", "halo_pool", "halo_pool"], names
     assert_matches(ranks4.run(train_side_by_side, make, (x,), (4,), plan.to_json()), F64)
+
+
+class Classifier(nn.Module):
+    """A ResNet's head: global average pooling of the last feature map, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(self.pool(torch.tanh(self.conv(x))).flatten(1))
+
+
+def test_global_average_pooling_sums_each_ranks_share_instead_of_gathering_the_map(ranks4):
+    x = torch.randn(2, 2, 7, 5, generator=torch.Generator().manual_seed(1), dtype=F64)  # 4 + 3 rows, 3 + 2 columns
+    make = partial(seeded, Classifier, F64)
+    plan, names = _plan_sharded(make, x, {"domain": 2, "tensor": 2}, "S(2),S(3)", ("conv2d", "adaptive_avg_pool2d"))
+    assert [plan.node(n).kernel for n in names] == ["halo_conv", "partial_mean_pool"], names
+    assert format_placements(plan.node("adaptive_avg_pool2d").outputs[0]) == "P(sum),P(sum)"
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), (2, 2), plan.to_json()), F64)
+
+
+def test_an_average_whose_last_window_runs_past_its_padding_keeps_that_dim_whole():
+    """In ceil mode a window past the padding divides by the rows inside it: fetched zeros would count."""
+    shape, mesh = (1, 2, 8, 9), {"domain": 2}  # rows: the last window is 6..8 of 8; columns: 6..8 of 9
+    assert _halo_layouts(nn.AvgPool2d(3, stride=2, ceil_mode=True), shape, mesh, "avg_pool", "halo_pool") == {"S(3)"}
+    assert _halo_layouts(nn.MaxPool2d(3, stride=2, ceil_mode=True), shape, mesh, "max_pool", "halo_pool") == {
+        "S(2)", "S(3)"}
 
 
 class PeriodicCNN(nn.Module):
@@ -261,6 +306,55 @@ def test_upsampling_and_transposed_convolutions_fetch_their_rows(ranks4, mesh, l
     make = partial(seeded, Decoder, F64)
     plan, names = _plan_sharded(make, x, mesh, layout, ("upsample", "conv"))
     assert [plan.node(n).kernel for n in names] == ["halo_resample", "halo_conv"] * 2 + ["halo_conv"], names
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
+
+
+class Upsampler(nn.Module):
+    """Transposed convolutions that reach past the input's scatter: CycleGAN's and many VAE decoders'
+    3x3 stride 2 padding 1 with output padding 1 (the last row is reached by one input row only), and
+    kernels narrower than their stride (1 and 2 rows, stride 3: rows no input reaches hold the bias
+    alone; output padding 2 adds two of them at the end)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1)
+        self.sparse = nn.ConvTranspose2d(3, 2, (1, 3), stride=(3, 1), padding=(0, 1))
+        self.tail = nn.ConvTranspose2d(2, 2, (2, 1), stride=(3, 1), output_padding=(2, 0))
+
+    def forward(self, x):
+        return self.tail(torch.tanh(self.sparse(torch.tanh(self.up(x)))))
+
+
+def test_transposed_convolutions_with_output_padding_or_narrow_kernels_fetch_their_rows(ranks4):
+    x = torch.randn(1, 2, 7, 3, generator=torch.Generator().manual_seed(1), dtype=F64)  # 2, 2, 2, 1 rows
+    make = partial(seeded, Upsampler, F64)
+    plan, names = _plan_sharded(make, x, {"domain": 4}, "S(2)", ("conv_transpose",))
+    assert [plan.node(n).kernel for n in names] == ["halo_conv"] * 3, names
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), (4,), plan.to_json()), F64)
+
+
+class CornerAligned(nn.Module):
+    """Bilinear resampling with align_corners=True, as the most used PyTorch U-Net writes its decoder:
+    up by 2 (source rows at i x 9 / 19), to a size no power of two relates (20 x 10 -> 13 x 7), and
+    back up to a skip's size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        x = F.interpolate(x, scale_factor=2.0, mode="bilinear", align_corners=True)
+        x = F.interpolate(torch.tanh(self.conv(x)), size=(13, 7), mode="bilinear", align_corners=True)
+        return F.interpolate(x, size=(20, 10), mode="bilinear", align_corners=True)
+
+
+@pytest.mark.parametrize("mesh, layout", [({"domain": 4}, "S(2)"), ({"domain": 2, "tensor": 2}, "S(2),S(3)")],
+                         ids=["rows-4", "rows-columns-2x2"])
+def test_resampling_with_aligned_corners_fetches_its_rows(ranks4, mesh, layout):
+    x = torch.randn(1, 2, 10, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
+    make = partial(seeded, CornerAligned, F64)
+    plan, names = _plan_sharded(make, x, mesh, layout, ("upsample",))
+    assert [plan.node(n).kernel for n in names] == ["halo_resample"] * 3, names
     assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
 
 

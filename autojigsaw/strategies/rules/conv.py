@@ -130,14 +130,13 @@ def _patch_dims(node) -> list[int]:
 def _stencils(node) -> dict[int, halo.RowMap]:
     """The input rows each output row reads (a transposed convolution: whose scatter reaches it), on
     every spatial dim but whole patches' (the patch rule's)."""
-    stride, _, dilation, transposed, _, output_padding = _conv_args(node)
+    stride, _, dilation, transposed, _, _ = _conv_args(node)
     padding, w, patches = _padding(node), node.args[1].meta["val"], _patch_dims(node)
     if padding is None:  # "same" with an even kernel pads one side more
         return {}
     rows = halo.scattered if transposed else halo.windows
-    # a transposed convolution's output padding adds rows nothing scatters to: left whole
     return {d: rows(stride[d - 2], padding[d - 2], dilation[d - 2] * (w.shape[d] - 1))
-            for d in range(2, w.ndim) if d not in patches and not output_padding[d - 2]}
+            for d in range(2, w.ndim) if d not in patches}
 
 
 def _patches_align(x_pl, fine_shape, coarse_shape, w_shape, mesh, patches) -> bool:

@@ -29,11 +29,14 @@ def windows(stride: int, padding: int, reach: int) -> RowMap:
 
 def scattered(stride: int, padding: int, reach: int) -> RowMap:
     """Input row j reaches output rows stride x j - padding ... + reach (a transposed convolution): the
-    input rows that reach each rank's output rows."""
+    input rows that reach each rank's output rows. Where the kernel is narrower than the stride, some
+    output rows are reached by none (bias only): the first row fetched then scatters from no later
+    than the chunk's first row, and at least one row is fetched."""
     def runs(out_sizes):
         out = []
         for o, n in zip(row_starts(out_sizes), out_sizes):
-            first, last = -((reach - o - padding) // stride), (o + n - 1 + padding) // stride  # ceil, floor
+            first = min(-((reach - o - padding) // stride), (o + padding) // stride)  # ceil, floor
+            last = max((o + n - 1 + padding) // stride, first)
             out.append(((first, last - first + 1),) if n else ())
         return tuple(out)
 

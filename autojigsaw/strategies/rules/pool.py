@@ -2,38 +2,45 @@
 
 These ops work on each (sample, channel) plane alone, so any leading dim shards for free. A
 spatial dim shards:
-  - for max and average pooling over windows that tile the input (stride == kernel, no padding,
-    dilation or ceil mode), where every rank's chunk holds whole windows, with no communication;
+  - for max and average pooling over windows that tile the input (stride == kernel, no padding or
+    dilation), where every rank's chunk holds whole windows, with no communication;
   - for other max and average pooling windows (a ResNet stem's 3x3 stride-2 max pool with
     padding 1), through kernel "halo_pool": each rank fetches the rows its output rows read
     (rules/halo.py), padded with -inf (max) or zeros (average, counting the padding);
-Adaptive pooling to a point reduces a whole plane, and ceil mode or an average that does not
-count its padding changes the windows at the edges: they run batch- or channel-sharded or whole.
+    in ceil mode too (a max pooling's last window reads -inf past the end);
+  - for adaptive average pooling to one point on that dim (a classifier's global pooling), through
+    kernel "partial_mean_pool": each rank pools its rows, weighted by its share of them, and the
+    output is a Partial sum (the pooled point is summed, the feature map never gathered).
+Other adaptive pooling, an average that does not count its padding, or one whose last window in
+ceil mode runs past the padding (it divides by fewer rows), changes the windows at the edges:
+they run batch- or channel-sharded or whole.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import math
 
 from ...cost_model.compute import memory_time
 from ...kernels import registry
 from ...kernels.halo import halo_pool
-from ...placements import chunks_align, local_shape
+from ...kernels.pooling import partial_mean_pool
+from ...placements import chunk_sizes, chunks_align, local_shape
 from . import halo
 from .base import AxisOption, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
 HALO_POOL = "halo_pool"
+PARTIAL_MEAN = "partial_mean_pool"
 
 _MAX_POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3}
 _AVG_POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
-_ADAPTIVE = {aten.adaptive_avg_pool1d.default: 1, aten.adaptive_avg_pool2d.default: 2,
-             aten.adaptive_avg_pool3d.default: 3, aten.adaptive_max_pool2d.default: 2,
-             aten.adaptive_max_pool3d.default: 3}
+_ADAPTIVE_AVG = {aten.adaptive_avg_pool1d.default: 1, aten.adaptive_avg_pool2d.default: 2,
+                 aten.adaptive_avg_pool3d.default: 3}
+_ADAPTIVE = {**_ADAPTIVE_AVG, aten.adaptive_max_pool2d.default: 2, aten.adaptive_max_pool3d.default: 3}
 _SPATIAL = {**_MAX_POOLS, **_AVG_POOLS, **_ADAPTIVE}
 
 
@@ -44,6 +51,7 @@ def pool(node, mesh, candidates):
     spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
     windows = _tiling_windows(node, x.shape, y.shape, spatial)
     overlapping = {d: m for d, m in _pool_windows(node, spatial).items() if d not in windows}
+    to_a_point = [d for d in spatial if node.target in _ADAPTIVE_AVG and y.shape[d] == 1]
 
     def options(n):
         opts = [AxisOption((R,), (R,) * _outputs(node))]
@@ -53,6 +61,8 @@ def pool(node, mesh, candidates):
             opts += [AxisOption((Shard(d),), (Shard(d),), note="whole windows")
                      for d in windows if min(x.shape[d], y.shape[d]) >= n]
             opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_POOL, note="rows and halos") for d in overlapping]
+            opts += [AxisOption((Shard(d),), (Partial(),), kernel=PARTIAL_MEAN, note="rows, pooled shares summed")
+                     for d in to_a_point]
         return opts
 
     def tiles(strategy) -> bool:
@@ -62,8 +72,13 @@ def pool(node, mesh, candidates):
                 return False
         return True
 
+    def every_rank_holds_rows(strategy) -> bool:
+        return all(min(chunk_sizes(x.shape[p.dim], n)) > 0 for p, n in zip(strategy.inputs[0], mesh.sizes)
+                   if isinstance(p, Shard) and p.dim in to_a_point)
+
     return [s for s in per_axis(mesh, options) if tiles(s) and halo.one_axis_each(s.inputs[0], overlapping)
-            and halo.nonempty(x.shape, y.shape, overlapping, mesh.sizes, s.inputs[0])]
+            and halo.nonempty(x.shape, y.shape, overlapping, mesh.sizes, s.inputs[0])
+            and halo.one_axis_each(s.inputs[0], to_a_point) and every_rank_holds_rows(s)]
 
 
 def _outputs(node) -> int:
@@ -74,33 +89,41 @@ def _tiling_windows(node, x_shape, y_shape, spatial) -> dict[int, int]:
     """{spatial dim: points of the finer side per point of the coarser} where windows tile it exactly."""
     if node.target not in _MAX_POOLS and node.target not in _AVG_POOLS:
         return {}
-    kernel, stride, padding, dilation, ceil_mode = _pool_args(node, len(spatial))
-    if ceil_mode or any(padding) or any(d != 1 for d in dilation):
+    kernel, stride, padding, dilation = _pool_args(node, len(spatial))
+    if any(padding) or any(d != 1 for d in dilation):
         return {}
+    # ceil mode adds no window where the windows tile the dim exactly
     return {d: k for d, k, s in zip(spatial, kernel, stride) if k == s and x_shape[d] == k * y_shape[d]}
 
 
 def _pool_args(node, n: int):
-    """(kernel, stride, padding, dilation, ceil mode) of a max or average pooling, one entry per dim."""
+    """(kernel, stride, padding, dilation) of a max or average pooling, one entry per dim (ceil mode
+    needs none: the output size, which it sets, gives the windows)."""
     args = list(node.args) + [None] * 6
     kernel, stride, padding = (_per_dim(args[i], n) for i in (1, 2, 3))
     dilation = _per_dim(args[4], n) if node.target in _MAX_POOLS else []
-    ceil_mode = args[5] if node.target in _MAX_POOLS else args[4]
-    return kernel, stride or kernel, padding or [0] * n, dilation or [1] * n, bool(ceil_mode)
+    return kernel, stride or kernel, padding or [0] * n, dilation or [1] * n
 
 
 def _pool_windows(node, spatial) -> dict[int, halo.RowMap]:
     """The input rows each output row of a max or average pooling reads, where fetching them and
-    pooling unpadded gives the single-device result: not in ceil mode, not an average that leaves
-    its padding out of the count or overrides the divisor."""
+    pooling unpadded gives the single-device result: not an average that leaves its padding out of
+    the count or overrides the divisor, nor one whose last window (ceil mode) runs past the padding,
+    where it divides by the rows inside only. A max pooling's windows past the end read -inf."""
     if node.target not in _MAX_POOLS and node.target not in _AVG_POOLS:
         return {}
-    kernel, stride, padding, dilation, ceil_mode = _pool_args(node, len(spatial))
+    kernel, stride, padding, dilation = _pool_args(node, len(spatial))
     args = list(node.args) + [None] * 7
     counts_padding = node.target in _MAX_POOLS or ((args[5] is None or args[5]) and args[6] is None)
-    if ceil_mode or not (counts_padding or not any(padding)):
+    if not (counts_padding or not any(padding)):
         return {}
-    return {d: halo.windows(s, p, dil * (k - 1)) for d, k, s, p, dil in zip(spatial, kernel, stride, padding, dilation)}
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    maps = {}
+    for d, k, s, p, dil in zip(spatial, kernel, stride, padding, dilation):
+        past_padding = s * (y.shape[d] - 1) + dil * (k - 1) - p > x.shape[d] - 1 + p
+        if node.target in _MAX_POOLS or not past_padding:
+            maps[d] = halo.windows(s, p, dil * (k - 1))
+    return maps
 
 
 def _per_dim(v, n: int) -> list[int]:
@@ -135,3 +158,14 @@ def _halo_pool_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
 
 
 registry.add(registry.Kernel(HALO_POOL, _halo_pool_call, halo.traffic, _halo_pool_cost))
+
+
+def _partial_mean_call(node, spec, rank, local_inputs):
+    x = node.args[0].meta["val"]
+    mine = local_shape(x.shape, spec.inputs[0], rank.mesh.sizes, rank.coord)
+    pooled = {p.dim for p in spec.inputs[0] if isinstance(p, Shard) and p.dim >= x.ndim - _SPATIAL[node.target]}
+    share = math.prod(mine[d] / x.shape[d] for d in pooled)
+    return partial_mean_pool, (local_inputs[0], node.args[1]), dict(op=node.target, share=share)
+
+
+registry.add(registry.Kernel(PARTIAL_MEAN, _partial_mean_call))

@@ -7,8 +7,10 @@ every rank's output chunk is its input chunk repeated, it runs on the local rows
 Otherwise, and for linear (bilinear, trilinear) upsampling without align_corners, kernel
 "halo_resample" fetches the input rows the chunk reads (rules/halo.py; linear reads one more on
 each side, and past the edges torch clamps to the edge row, which the fetch copies), upsamples
-them and keeps the chunk's rows. align_corners=True scales by (in - 1) / (out - 1), which no
-local call reproduces: such calls run batch- or channel-sharded or whole.
+them and keeps the chunk's rows. align_corners=True (U-Nets' bilinear upsampling) reads source row
+i x (in - 1) / (out - 1) for output row i, to any size, which no call on local rows reproduces: the
+same kernel fetches the rows each chunk reads and interpolates its sharded dims itself, at those
+source positions.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ...cost_model.compute import memory_time
 from ...kernels import registry
-from ...kernels.halo import halo_resample
+from ...kernels.halo import halo_resample, halo_resample_corners, row_starts
 from ...placements import chunk_sizes, chunks_align, local_offset, local_shape
 from . import halo
 from .base import AxisOption, per_axis, register
@@ -86,10 +88,31 @@ def _scales(node) -> dict[int, int]:
     return {d: s for d, s in out.items() if s & (s - 1) == 0}
 
 
+def _aligns_corners(node) -> bool:
+    return node.target in _LINEAR and bool(node.args[2])
+
+
 def _row_maps(node) -> dict[int, halo.RowMap]:
-    """{scaled dim: every rank's wanted input rows}."""
-    x = node.args[0].meta["val"]
+    """{dim the halo kernel shards: every rank's wanted input rows}."""
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    if _aligns_corners(node):
+        return {d: _corners_map(x.shape[d], y.shape[d]) for d in _spatial(node)}
     return {d: _row_map(node, s, x.shape[d]) for d, s in _scales(node).items()}
+
+
+def _corners_map(size: int, out: int) -> halo.RowMap:
+    """Each rank's input rows under align_corners: output row i reads rows floor(i x (size - 1) / (out - 1))
+    and the next, and one more each side (clamped): the kernel's own rounding of the position may differ."""
+    scale = (size - 1) / (out - 1) if out > 1 else 0.0
+
+    def runs(out_sizes):
+        wanted = []
+        for o, n in zip(row_starts(out_sizes), out_sizes):
+            first, last = max(math.floor(o * scale) - 1, 0), min(math.floor((o + n - 1) * scale) + 2, size - 1)
+            wanted.append(((first, last - first + 1),) if n else ())
+        return tuple(wanted)
+
+    return runs
 
 
 def _row_map(node, scale: int, size: int) -> halo.RowMap:
@@ -120,6 +143,13 @@ def _halo_call(node, spec, rank, local_inputs):
     scales = _scales(node)
     found = halo.fetches(x.shape, y.shape, spec.inputs[0], _row_maps(node), rank.mesh.sizes)
     offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    out_size = tuple(y.shape[d] for d in _spatial(node))
+    fetches = tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found)
+    if _aligns_corners(node):
+        ys = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+        rows = tuple((d, wants[rank.coord[a]][0][0], offset[d], ys[d], x.shape[d]) for d, a, wants, _ in found)
+        return halo_resample_corners, (local_inputs[0],), dict(op=node.target, out_size=out_size, fetches=fetches,
+                                                                rows=rows)
     extra = 1 if node.target in _LINEAR else 0
     crops = []
     for d, a, _, _ in found:
@@ -127,9 +157,8 @@ def _halo_call(node, spec, rank, local_inputs):
         rows = chunk_sizes(y.shape[d], rank.mesh.sizes[a])[rank.coord[a]]
         crops.append((d, scales[d], offset[d] - scales[d] * first_row, rows))
     return halo_resample, (local_inputs[0],), dict(
-        op=node.target, align_corners=node.args[2] if node.target in _LINEAR else None,
-        out_size=tuple(y.shape[d] for d in _spatial(node)),
-        fetches=tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found), crops=tuple(crops))
+        op=node.target, align_corners=node.args[2] if node.target in _LINEAR else None, out_size=out_size,
+        fetches=fetches, crops=tuple(crops))
 
 
 def _halo_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
