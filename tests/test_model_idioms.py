@@ -6,6 +6,8 @@
   strategies a product past memory.
 - The same ops traced in another order on each rank (ModernBERT loops over a set of strings, whose order
   is each process' hash seed's): every rank takes rank 0's order and names.
+- A learned position bias under the padding mask as `where(mask, bias, min)` (T5): a where with a scalar
+  branch had no rule and ran whole on every rank; its heads now shard with the attention's.
 - Keys written into a new buffer slice by slice (`k.new_empty(...)[..., :n].copy_(x)`, DeepSeek-V3's
   attention): export makes each write an aten.copy, which eager autograd cannot differentiate.
 """
@@ -20,9 +22,11 @@ import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.capture.custom_functions import TensorArg, backward_is_derivative
 from autojigsaw.capture.order import in_order, program_order
+from autojigsaw.placements import format_placements
 from autojigsaw.strategies.annotate import MAX_OUTPUT_STRATEGIES
 from autojigsaw.testing.local_ranks import get_mesh
 
+from .jigsaw_common import pinned_plan
 from .side_by_side import max_diff
 from .test_errors import _RoundThrough  # a straight-through round, refused there through parallelize
 
@@ -265,4 +269,50 @@ def test_ops_traced_in_another_order_on_each_rank_train_like_one_device(ranks2):
     whole = autojigsaw.plan(model, (x,), {"tensor": 1}, device="cpu").memory_per_rank
     for r in ranks2.run(_tables_in_rank_order_train, int(0.6 * whole)):
         assert r["sharded"] > 0
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+
+
+class _MaskedPositionBias(nn.Module):
+    """T5's attention bias: one learned bias per head and position pair, kept where the keys are not
+    padding (`where(mask, bias, min)`, the mask [B, 1, 1, S] and the bias [1, H, S, S] broadcast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.bias = nn.Parameter(torch.randn(1, 4, 8, 8))
+
+    def forward(self, x, keep):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        bias = torch.where(keep[:, None, None, :], self.bias, torch.finfo(x.dtype).min)
+        attn = torch.softmax(q @ k.transpose(-1, -2) + bias, -1)
+        return self.out((attn @ v).transpose(1, 2).reshape(b, s, 16))
+
+
+def _masked_bias_inputs():
+    torch.manual_seed(0)
+    model = _MaskedPositionBias().double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    keep = torch.arange(8) < torch.tensor([[8], [5]])  # the second sample's last 3 keys are padding
+    return model, (x, keep)
+
+
+def _masked_bias_trains(plan_json: str) -> dict:
+    ref, inputs = _masked_bias_inputs()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False,
+                                    plan=autojigsaw.Plan.from_json(plan_json))
+
+    def run(model):
+        out = model(*inputs)
+        return out.detach(), out.square().sum()
+
+    return _two_adam_steps(pmodel, ref, run)
+
+
+def test_a_position_bias_under_a_mask_shards_its_heads_and_trains_like_one_device(ranks2):
+    model, inputs = _masked_bias_inputs()
+    plan = pinned_plan(model, inputs, {"tensor": 2}, {"where": lambda s: format_placements(s.outputs[0]) == "S(1)"})
+    assert not plan.fallbacks and format_placements(plan.node("where").inputs[1]) == "S(1)", plan.table()
+    for r in ranks2.run(_masked_bias_trains, plan.to_json()):
+        assert r["sharded"] > 0, plan.table()
         assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r

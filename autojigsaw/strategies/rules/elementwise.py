@@ -1,8 +1,11 @@
 """Rules for pointwise ops DTensor's rules miss, and for dropout.
 
 Ops listed in _SAME_AS are pointwise twins of ops DTensor knows; their strategies are
-the twin's. Dropout keeps its input's layout (the dropout kernel draws the single-device
-mask, so training matches the single-device model bit for bit).
+the twin's. `where` with a scalar branch (T5's position bias under its mask) and `fill` with
+a tensor value broadcast their tensors: each shards the output dims it spans and stays whole
+where it broadcasts (never Partial: neither is linear). Dropout keeps its input's layout (the
+dropout kernel draws the single-device mask, so training matches the single-device model bit
+for bit).
 """
 
 from __future__ import annotations
@@ -33,6 +36,23 @@ def pointwise_twin(node, mesh, candidates):
     finally:
         node.target = original
     return [Strategy(i, o) for i, o in pairs]
+
+
+@register(aten.where.ScalarOther, aten.where.ScalarSelf, aten.fill.Tensor)
+def broadcast_pointwise(node, mesh, candidates):
+    tensors = [src.meta["val"] for src, _ in tensor_inputs(node)]
+    out = node.meta["val"].shape
+
+    def options(n):
+        opts = [AxisOption((Replicate(),) * len(tensors), (Replicate(),))]
+        for d in range(len(out)) if n > 1 else ():
+            if out[d] >= n:
+                spans = [d - (len(out) - t.ndim) for t in tensors]  # each tensor's dim under output dim d
+                opts.append(AxisOption(tuple(Shard(k) if k >= 0 and t.shape[k] == out[d] else Replicate()
+                                             for t, k in zip(tensors, spans)), (Shard(d),)))
+        return opts
+
+    return per_axis(mesh, options)
 
 
 @register(aten.native_dropout.default)
