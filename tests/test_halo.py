@@ -245,6 +245,31 @@ def test_global_average_pooling_sums_each_ranks_share_instead_of_gathering_the_m
     assert_matches(ranks4.run(train_side_by_side, make, (x,), (2, 2), plan.to_json()), F64)
 
 
+class PyramidPooling(nn.Module):
+    """PSPNet's pyramid pooling (segmentation): the feature map averaged to 1x1, 2x2, 3x3 and 6x6 over
+    windows of varying size (13 rows to 6: 3 rows each, overlapping by one where 13 does not divide),
+    each projected and resized back with align_corners=True, concatenated with the map."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pools = nn.ModuleList(nn.Sequential(nn.AdaptiveAvgPool2d(k), nn.Conv2d(4, 1, 1)) for k in (1, 2, 3, 6))
+
+    def forward(self, x):
+        x = torch.tanh(self.conv(x))
+        size = x.shape[-2:]
+        return torch.cat([x] + [F.interpolate(p(x), size=size, mode="bilinear", align_corners=True)
+                                for p in self.pools], 1)
+
+
+def test_pyramid_pooling_averages_windows_of_varying_size_over_sharded_rows(ranks4):
+    x = torch.randn(1, 2, 13, 10, generator=torch.Generator().manual_seed(1), dtype=F64)  # 7 + 6 rows, 5 + 5 columns
+    make = partial(seeded, PyramidPooling, F64)
+    plan, names = _plan_sharded(make, x, {"domain": 2, "tensor": 2}, "S(2),S(3)", ("adaptive_avg_pool2d",))
+    assert [plan.node(n).kernel for n in names] == ["partial_mean_pool"] + ["halo_adaptive_pool"] * 3, names
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), (2, 2), plan.to_json()), F64)
+
+
 def test_an_average_whose_last_window_runs_past_its_padding_keeps_that_dim_whole():
     """In ceil mode a window past the padding divides by the rows inside it: fetched zeros would count."""
     shape, mesh = (1, 2, 8, 9), {"domain": 2}  # rows: the last window is 6..8 of 8; columns: 6..8 of 9

@@ -43,6 +43,13 @@ def scattered(stride: int, padding: int, reach: int) -> RowMap:
     return runs
 
 
+def spans(first: Callable[[int], int], end: Callable[[int], int]) -> RowMap:
+    """Output row i reads input rows first(i) ... end(i) - 1, both non-decreasing in i (adaptive
+    pooling's windows, of varying size)."""
+    return lambda out_sizes: tuple(((first(o), end(o + n - 1) - first(o)),) if n else ()
+                                   for o, n in zip(row_starts(out_sizes), out_sizes))
+
+
 def mapped(source: Callable[[int], int]) -> RowMap:
     """Output row j reads input row source(j) (negative: the op's constant), as runs of consecutive rows."""
     def runs(out_sizes):

@@ -10,8 +10,10 @@ spatial dim shards:
     in ceil mode too (a max pooling's last window reads -inf past the end);
   - for adaptive average pooling to one point on that dim (a classifier's global pooling), through
     kernel "partial_mean_pool": each rank pools its rows, weighted by its share of them, and the
-    output is a Partial sum (the pooled point is summed, the feature map never gathered).
-Other adaptive pooling, an average that does not count its padding, or one whose last window in
+    output is a Partial sum (the pooled point is summed, the feature map never gathered); to more
+    points (a pyramid pooling's 2, 3, 6), through kernel "halo_adaptive_pool": each rank fetches
+    the rows of its output rows' windows and averages them (kernels/pooling.py).
+Adaptive max pooling, an average that does not count its padding, or one whose last window in
 ceil mode runs past the padding (it divides by fewer rows), changes the windows at the edges:
 they run batch- or channel-sharded or whole.
 """
@@ -26,8 +28,8 @@ import math
 from ...cost_model.compute import memory_time
 from ...kernels import registry
 from ...kernels.halo import halo_pool
-from ...kernels.pooling import partial_mean_pool
-from ...placements import chunk_sizes, chunks_align, local_shape
+from ...kernels.pooling import halo_adaptive_pool, partial_mean_pool
+from ...placements import chunk_sizes, chunks_align, local_offset, local_shape
 from . import halo
 from .base import AxisOption, per_axis, register
 
@@ -35,6 +37,7 @@ aten = torch.ops.aten
 R = Replicate()
 HALO_POOL = "halo_pool"
 PARTIAL_MEAN = "partial_mean_pool"
+HALO_ADAPTIVE = "halo_adaptive_pool"
 
 _MAX_POOLS = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3}
 _AVG_POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
@@ -52,6 +55,7 @@ def pool(node, mesh, candidates):
     windows = _tiling_windows(node, x.shape, y.shape, spatial)
     overlapping = {d: m for d, m in _pool_windows(node, spatial).items() if d not in windows}
     to_a_point = [d for d in spatial if node.target in _ADAPTIVE_AVG and y.shape[d] == 1]
+    adaptive = _adaptive_windows(node, spatial)
 
     def options(n):
         opts = [AxisOption((R,), (R,) * _outputs(node))]
@@ -63,6 +67,7 @@ def pool(node, mesh, candidates):
             opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_POOL, note="rows and halos") for d in overlapping]
             opts += [AxisOption((Shard(d),), (Partial(),), kernel=PARTIAL_MEAN, note="rows, pooled shares summed")
                      for d in to_a_point]
+            opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_ADAPTIVE, note="rows and halos") for d in adaptive]
         return opts
 
     def tiles(strategy) -> bool:
@@ -76,8 +81,9 @@ def pool(node, mesh, candidates):
         return all(min(chunk_sizes(x.shape[p.dim], n)) > 0 for p, n in zip(strategy.inputs[0], mesh.sizes)
                    if isinstance(p, Shard) and p.dim in to_a_point)
 
-    return [s for s in per_axis(mesh, options) if tiles(s) and halo.one_axis_each(s.inputs[0], overlapping)
-            and halo.nonempty(x.shape, y.shape, overlapping, mesh.sizes, s.inputs[0])
+    fetched = {**overlapping, **adaptive}
+    return [s for s in per_axis(mesh, options) if tiles(s) and halo.one_axis_each(s.inputs[0], fetched)
+            and halo.nonempty(x.shape, y.shape, fetched, mesh.sizes, s.inputs[0])
             and halo.one_axis_each(s.inputs[0], to_a_point) and every_rank_holds_rows(s)]
 
 
@@ -126,6 +132,25 @@ def _pool_windows(node, spatial) -> dict[int, halo.RowMap]:
     return maps
 
 
+def _adaptive_windows(node, spatial) -> dict[int, halo.RowMap]:
+    """The input rows each output row of an adaptive average pooling to more than one point reads."""
+    if node.target not in _ADAPTIVE_AVG:
+        return {}
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    maps = {}
+    for d in spatial:
+        size, out = x.shape[d], y.shape[d]
+        if out > 1:
+            maps[d] = halo.spans(lambda i, size=size, out=out: i * size // out,
+                                 lambda i, size=size, out=out: -(-(i + 1) * size // out))
+    return maps
+
+
+def _fetched_rows(node, spatial) -> dict[int, halo.RowMap]:
+    """The row maps of the dims a halo kernel of this pooling fetches."""
+    return _adaptive_windows(node, spatial) if node.target in _ADAPTIVE_AVG else _pool_windows(node, spatial)
+
+
 def _per_dim(v, n: int) -> list[int]:
     """A pooling argument as one entry per spatial dim ([] and None stay empty: the default)."""
     if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
@@ -150,7 +175,7 @@ def _halo_pool_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
     x, y = node.args[0].meta["val"], node.meta["val"]
     spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
     backward = ctx.training and grad
-    fetch, fetched = halo.fetch_time(x, strategy.inputs[0], y.shape, _pool_windows(node, spatial), ctx, backward)
+    fetch, fetched = halo.fetch_time(x, strategy.inputs[0], y.shape, _fetched_rows(node, spatial), ctx, backward)
     ys = local_shape(y.shape, strategy.outputs[0], ctx.mesh.sizes, ctx.coord0)
     moved = (math.prod(fetched) + math.prod(ys)) * x.dtype.itemsize
     t = float(memory_time(moved, ctx.device)) * (2 if backward else 1) + fetch
@@ -169,3 +194,17 @@ def _partial_mean_call(node, spec, rank, local_inputs):
 
 
 registry.add(registry.Kernel(PARTIAL_MEAN, _partial_mean_call))
+
+
+def _halo_adaptive_call(node, spec, rank, local_inputs):
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
+    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _adaptive_windows(node, spatial), rank.mesh.sizes)
+    offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    ys = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    rows = tuple((d, wants[rank.coord[a]][0][0], offset[d], ys[d], x.shape[d], y.shape[d]) for d, a, wants, _ in found)
+    return halo_adaptive_pool, (local_inputs[0], node.args[1]), dict(
+        op=node.target, fetches=tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found), rows=rows)
+
+
+registry.add(registry.Kernel(HALO_ADAPTIVE, _halo_adaptive_call, halo.traffic, _halo_pool_cost))
