@@ -8,6 +8,9 @@
   is each process' hash seed's): every rank takes rank 0's order and names.
 - A learned position bias under the padding mask as `where(mask, bias, min)` (T5): a where with a scalar
   branch had no rule and ran whole on every rank; its heads now shard with the attention's.
+- An auxiliary head computed but unused without labels (DPT, UperNet): export keeps only its
+  BatchNorm's running-statistics update, so its later layers hold parameters and no compute, and
+  their runs interleave with the earlier layers' (the planner's layer tying raised a bare ValueError).
 - Keys written into a new buffer slice by slice (`k.new_empty(...)[..., :n].copy_(x)`, DeepSeek-V3's
   attention): export makes each write an aten.copy, which eager autograd cannot differentiate.
 """
@@ -316,3 +319,41 @@ def test_a_position_bias_under_a_mask_shards_its_heads_and_trains_like_one_devic
     for r in ranks2.run(_masked_bias_trains, plan.to_json()):
         assert r["sharded"] > 0, plan.table()
         assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+
+
+class _UnusedAuxiliaryHead(nn.Module):
+    """DPT's auxiliary head without labels: run, its result unused, its BatchNorm's statistics updated."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Linear(8, 8)
+        self.aux = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        self.aux(x)
+        return self.main(x)
+
+
+def _auxiliary_head_trains(plan_json: str) -> dict:
+    torch.manual_seed(0)
+    ref = _UnusedAuxiliaryHead().double()
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
+                                    plan=autojigsaw.Plan.from_json(plan_json))
+    out, ref_out = pmodel(x), ref(x)
+    out.square().sum().backward(), ref_out.square().sum().backward()
+    pairs = list(zip(pmodel.parameters(), ref.parameters()))
+    return {"output": max_diff(out, ref_out),
+            "grad": max(max_diff(p.grad.full_tensor(), q.grad) for p, q in pairs if q.grad is not None),
+            "no grad": [p.grad is None for p, q in pairs if q.grad is None],
+            "stats": max(max_diff(b, c) for b, c in zip(pmodel.buffers(), ref.buffers()))}
+
+
+def test_an_unused_auxiliary_head_plans_and_trains_like_one_device(ranks2):
+    torch.manual_seed(0)
+    model = _UnusedAuxiliaryHead().double()
+    plan = autojigsaw.plan(model, (torch.randn(4, 8, dtype=torch.float64),), {"tensor": 2}, device="cpu",
+                           tie_layers=True)  # as for a large model
+    for r in ranks2.run(_auxiliary_head_trains, plan.to_json()):
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["stats"] <= 1e-12, r
+        assert r["no grad"] == [True] * 6, r  # the head's parameters get none on one device either

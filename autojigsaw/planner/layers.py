@@ -43,12 +43,15 @@ def tie_groups(nodes: list[Node], strategies: list[list[Strategy]], params: dict
 
 
 def _absorb_between(runs: dict[tuple[str, int], list[int]], outside: list[int]) -> None:
-    """Nodes of no layer between layers k and k+1 (`x = relu(block(x))`) open layer k+1's run."""
+    """Nodes of no layer between layers k and k+1 (`x = relu(block(x))`) open layer k+1's run.
+    Runs may interleave: a layer whose compute export dropped (an auxiliary head's, unused without
+    labels) keeps only its parameters, which come before the previous layer's compute."""
     ordered = sorted(runs, key=lambda key: min(runs[key]))
     for before, after in zip(ordered, ordered[1:]):
-        if before[0] != after[0]:
+        later = [i for i in runs[after] if i > max(runs[before])]
+        if before[0] != after[0] or not later:
             continue
-        lo, hi = max(runs[before]), min(i for i in runs[after] if i > max(runs[before]))
+        lo, hi = max(runs[before]), min(later)
         between = [i for i in outside if lo < i < hi]
         runs[after] = sorted(between + runs[after])
 
