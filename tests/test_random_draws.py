@@ -127,3 +127,54 @@ def test_dropout_masks_follow_the_single_device_layout(ranks4):
     assert {"halo_conv", "dropout"} <= {n.kernel for n in plan.nodes}
     for r in ranks4.run(train, "segformer", (4,), ("domain",), plan.to_json(), steps=2, dropout=0.1):
         assert max(r["output"], r["grad"], r["param"]) <= ADAM_STEPPED, r["table"]
+
+
+class TokensOnAGrid(torch.nn.Module):
+    """DPT's reassembly: attention over patch tokens (CPU's flash kernel keeps the queries' (batch,
+    tokens, heads, dim) layout), the tokens put back on the image grid (a permuted view, channels-last
+    in memory), a 1x1 convolution (channels-last out, as its input) and dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(8, 24), torch.nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        tokens = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        grid = tokens.permute(0, 2, 1).reshape(b, c, 4, 4)
+        return torch.nn.functional.dropout(torch.relu(self.proj(grid)), 0.5)
+
+
+def _grid_side_by_side() -> dict:
+    torch.manual_seed(0)
+    ref = TokensOnAGrid().to(F64)
+    x = torch.randn(4, 16, 8, dtype=F64, generator=torch.Generator().manual_seed(1))
+    budget = int(0.8 * autojigsaw.plan(copy.deepcopy(ref), (x,), {"domain": 1}, device="cpu").memory_per_rank)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("domain",)), (x,), compile=False,
+                                    memory_budget=budget)
+    outs = []
+    for m in (pmodel, ref):
+        torch.manual_seed(123)
+        outs.append(whole(m(x)))
+        outs[-1].square().sum().backward()
+    grads = [(whole(p.grad) - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters())]
+    return {"output": (outs[0] - outs[1]).abs().max().item(), "grad": max(grads)}
+
+
+def test_dropout_after_attention_and_a_channels_last_convolution_takes_eager_layout(ranks2):
+    """The mask of a dropout whose input eager lays out channels-last: the meta replay had it contiguous
+    (meta runs attention's math kernel, and every convolution contiguous), so DPT with its head's
+    dropout on trained another model (fp64, 2x2: output 0.07, gradients 200 off)."""
+    model, x = TokensOnAGrid().to(F64), torch.randn(4, 16, 8, dtype=F64)
+    drop = next(n for n in capture(model, (x,)).gm.graph.nodes if n.target is torch.ops.aten.native_dropout.default)
+    eager = []
+    original = torch.nn.functional.dropout
+    try:
+        torch.nn.functional.dropout = lambda t, *a, **k: eager.append(t.stride()) or original(t, *a, **k)
+        model(x)
+    finally:
+        torch.nn.functional.dropout = original
+    assert drop.meta[EAGER_STRIDES][0] == eager[0] != torch.empty(drop.args[0].meta["val"].shape).stride()
+    for r in ranks2.run(_grid_side_by_side):
+        assert r["output"] <= ROUNDOFF and r["grad"] <= ROUNDOFF, r
