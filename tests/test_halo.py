@@ -263,7 +263,7 @@ class PyramidPooling(nn.Module):
 
 
 def test_pyramid_pooling_averages_windows_of_varying_size_over_sharded_rows(ranks4):
-    x = torch.randn(1, 2, 13, 10, generator=torch.Generator().manual_seed(1), dtype=F64)  # 7 + 6 rows, 5 + 5 columns
+    x = torch.randn(1, 2, 13, 10, generator=torch.Generator().manual_seed(1), dtype=F64)  # rows 7 + 6, columns 5 + 5
     make = partial(seeded, PyramidPooling, F64)
     plan, names = _plan_sharded(make, x, {"domain": 2, "tensor": 2}, "S(2),S(3)", ("adaptive_avg_pool2d",))
     assert [plan.node(n).kernel for n in names] == ["partial_mean_pool"] + ["halo_adaptive_pool"] * 3, names

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import acc_dtype
 from ..mesh import MeshAxis
 from .collectives import record, waited
 from .once import differentiable_once
@@ -286,7 +287,7 @@ def _lerp_rows(x, dim: int, fetched_from: int, out_rows: range, in_size: int, ou
     """Rows `out_rows` of x's dim resampled from `in_size` to `out_size` rows with the corners aligned
     (source row i x (in - 1) / (out - 1), in the precision aten computes it), x holding the input
     rows from `fetched_from` on."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x.dtype)
     scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
     src = torch.arange(out_rows.start, out_rows.stop, dtype=acc, device=x.device) * torch.tensor(scale, dtype=acc)
     below = src.floor().long().clamp(max=in_size - 1)

@@ -67,7 +67,8 @@ def pool(node, mesh, candidates):
             opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_POOL, note="rows and halos") for d in overlapping]
             opts += [AxisOption((Shard(d),), (Partial(),), kernel=PARTIAL_MEAN, note="rows, pooled shares summed")
                      for d in to_a_point]
-            opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_ADAPTIVE, note="rows and halos") for d in adaptive]
+            opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_ADAPTIVE, note="rows and halos")
+                     for d in adaptive]
         return opts
 
     def tiles(strategy) -> bool:

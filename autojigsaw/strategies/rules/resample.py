@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ...cost_model.compute import memory_time
 from ...kernels import registry
-from ...kernels.halo import halo_resample, halo_resample_corners, row_starts
+from ...kernels.halo import halo_resample, halo_resample_corners
 from ...placements import chunk_sizes, chunks_align, local_offset, local_shape
 from . import halo
 from .base import AxisOption, per_axis, register
@@ -104,15 +104,8 @@ def _corners_map(size: int, out: int) -> halo.RowMap:
     """Each rank's input rows under align_corners: output row i reads rows floor(i x (size - 1) / (out - 1))
     and the next, and one more each side (clamped): the kernel's own rounding of the position may differ."""
     scale = (size - 1) / (out - 1) if out > 1 else 0.0
-
-    def runs(out_sizes):
-        wanted = []
-        for o, n in zip(row_starts(out_sizes), out_sizes):
-            first, last = max(math.floor(o * scale) - 1, 0), min(math.floor((o + n - 1) * scale) + 2, size - 1)
-            wanted.append(((first, last - first + 1),) if n else ())
-        return tuple(wanted)
-
-    return runs
+    return halo.spans(lambda i: max(math.floor(i * scale) - 1, 0),
+                      lambda i: min(math.floor(i * scale) + 2, size - 1) + 1)
 
 
 def _row_map(node, scale: int, size: int) -> halo.RowMap:
