@@ -1,6 +1,8 @@
 """Domain parallelism of convolutional networks: stencils with halos (3x3, dilated, strided; 2-D and
 3-D), GroupNorm and InstanceNorm over sharded points, pooling and nearest upsampling of whole
-windows, on 1-D and 2-D meshes: a U-Net, a volume stack and an nnU-Net stage.
+windows, on 1-D and 2-D meshes: a U-Net, a volume stack and an nnU-Net stage; and the edges of
+those idioms: transposed convolutions with output padding or kernels narrower than their stride,
+pooling in ceil mode, bilinear resampling with aligned corners, global and pyramid average pooling.
 
 Each case trains the parallelized model beside the single-device one (same seed and input:
 output, gradients of parameters and input, two Adam steps) and checks that every rank sent
