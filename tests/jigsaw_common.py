@@ -106,8 +106,8 @@ def _ramp(y: torch.Tensor) -> torch.Tensor:
 
 
 def train_side_by_side(make, inputs, mesh_shape, plan_json: str) -> dict:
-    """Two steps of `make()` parallelized by a plan (as JSON) and on one device: largest
-    differences, bytes.
+    """Two steps of `make()` parallelized by a plan (as JSON) and on one device, the generator
+    seeded alike before each forward: largest differences, bytes.
 
     The loss is a weighted sum of squares of the output (of this rank's shard of it, if the plan
     returns a sharded output). Step 1 also differentiates the inputs; step 2 counts the bytes sent
@@ -125,9 +125,11 @@ def train_side_by_side(make, inputs, mesh_shape, plan_json: str) -> dict:
     for step in range(2):
         mine = [x.clone().requires_grad_(step == 0 and x.is_floating_point()) for x in inputs]
         theirs = [x.clone().requires_grad_(step == 0 and x.is_floating_point()) for x in inputs]
+        torch.manual_seed(step)  # random draws (dropout) see the same generator on both sides
         y_ref = ref(*theirs)
         (y_ref.square() * _ramp(y_ref)).sum().backward()
         with count_comm() as log:
+            torch.manual_seed(step)
             y = pmodel(*mine)
             shard = local_view(y_ref.detach(), plan.output_placements[0], mesh_shape, coord)
             weights = local_view(_ramp(y_ref), plan.output_placements[0], mesh_shape, coord)

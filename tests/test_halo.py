@@ -2,7 +2,8 @@
 3-D), GroupNorm and InstanceNorm over sharded points, pooling and nearest upsampling of whole
 windows, on 1-D and 2-D meshes: a U-Net, a volume stack and an nnU-Net stage; and the edges of
 those idioms: transposed convolutions with output padding or kernels narrower than their stride,
-pooling in ceil mode, bilinear resampling with aligned corners, global and pyramid average pooling.
+pooling in ceil mode, bilinear resampling with aligned corners or to any size, global and pyramid
+average pooling.
 
 Each case trains the parallelized model beside the single-device one (same seed and input:
 output, gradients of parameters and input, two Adam steps) and checks that every rank sent
@@ -380,6 +381,33 @@ class CornerAligned(nn.Module):
 def test_resampling_with_aligned_corners_fetches_its_rows(ranks4, mesh, layout):
     x = torch.randn(1, 2, 10, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
     make = partial(seeded, CornerAligned, F64)
+    plan, names = _plan_sharded(make, x, mesh, layout, ("upsample",))
+    assert [plan.node(n).kernel for n in names] == ["halo_resample"] * 3, names
+    assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
+
+
+class AnySize(nn.Module):
+    """Bilinear resampling without aligned corners to sizes no power of two relates, as UperNet resizes
+    its pyramid to the feature map: up to 13 x 7, by a scale factor of 1.5 (source rows at
+    (i + 0.5) / 1.5 - 0.5), and down to 8 x 4; with UperNet's dropout before the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.dropout = nn.Dropout(0.3)
+
+    def forward(self, x):
+        x = F.interpolate(x, size=(13, 7), mode="bilinear", align_corners=False)
+        x = F.interpolate(torch.tanh(self.conv(x)), scale_factor=1.5, mode="bilinear", align_corners=False)
+        x = self.dropout(x)
+        return F.interpolate(x, size=(8, 4), mode="bilinear", align_corners=False)
+
+
+@pytest.mark.parametrize("mesh, layout", [({"domain": 4}, "S(2)"), ({"domain": 2, "tensor": 2}, "S(2),S(3)")],
+                         ids=["rows-4", "rows-columns-2x2"])
+def test_resampling_to_any_size_fetches_its_rows(ranks4, mesh, layout):
+    x = torch.randn(1, 2, 10, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
+    make = partial(seeded, AnySize, F64)
     plan, names = _plan_sharded(make, x, mesh, layout, ("upsample",))
     assert [plan.node(n).kernel for n in names] == ["halo_resample"] * 3, names
     assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import acc_dtype
 from ..mesh import MeshAxis
 from .collectives import record, waited
 from .once import differentiable_once
@@ -265,33 +264,3 @@ def halo_resample(x, *, op, align_corners, out_size: tuple[int, ...], fetches, c
     for dim, _, start, rows in crops:
         y = y.narrow(dim, start, rows)
     return y
-
-
-def halo_resample_corners(x, *, op, out_size: tuple[int, ...], fetches, rows):
-    """Linear resampling with align_corners=True (aten `op`) of this rank's chunk: each dim of
-    `fetches` fetched, each dim of `rows` (dim, its first fetched row, first output row, output
-    rows, input size) interpolated here at the source positions one device computes, the other
-    spatial dims by `op` (to `out_size`, their global sizes)."""
-    for dim, wants, sizes, axis in fetches:
-        x = fetch_rows(x, dim=dim, wants=wants, sizes=sizes, axis=axis)
-    first = x.ndim - len(out_size)
-    size = list(out_size)
-    for dim, fetched_from, start, n, in_size in rows:
-        x = _lerp_rows(x, dim, fetched_from, range(start, start + n), in_size, out_size[dim - first])
-        size[dim - first] = n
-    # a dim already at its size is copied: with align_corners, scale (n - 1) / (n - 1) is exactly 1
-    return op(x, size, True, None)
-
-
-def _lerp_rows(x, dim: int, fetched_from: int, out_rows: range, in_size: int, out_size: int) -> torch.Tensor:
-    """Rows `out_rows` of x's dim resampled from `in_size` to `out_size` rows with the corners aligned
-    (source row i x (in - 1) / (out - 1), in the precision aten computes it), x holding the input
-    rows from `fetched_from` on."""
-    acc = acc_dtype(x.dtype)
-    scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
-    src = torch.arange(out_rows.start, out_rows.stop, dtype=acc, device=x.device) * torch.tensor(scale, dtype=acc)
-    below = src.floor().long().clamp(max=in_size - 1)
-    above = (below + 1).clamp(max=in_size - 1)
-    weight = (src - below).to(x.dtype).reshape([-1] + [1] * (x.ndim - dim - 1))
-    low, high = x.index_select(dim, below - fetched_from), x.index_select(dim, above - fetched_from)
-    return low * (1 - weight) + high * weight

@@ -48,11 +48,11 @@ def _absorb_between(runs: dict[tuple[str, int], list[int]], outside: list[int]) 
     labels) keeps only its parameters, which come before the previous layer's compute."""
     ordered = sorted(runs, key=lambda key: min(runs[key]))
     for before, after in zip(ordered, ordered[1:]):
-        later = [i for i in runs[after] if i > max(runs[before])]
+        last = max(runs[before])
+        later = [i for i in runs[after] if i > last]
         if before[0] != after[0] or not later:
             continue
-        lo, hi = max(runs[before]), min(later)
-        between = [i for i in outside if lo < i < hi]
+        between = [i for i in outside if last < i < min(later)]
         runs[after] = sorted(between + runs[after])
 
 

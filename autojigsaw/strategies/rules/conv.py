@@ -184,7 +184,7 @@ def _halo_call(node, spec, rank, local_inputs):
     stride, _, dilation, transposed, groups, output_padding = _conv_args(node)
     x, y = node.args[0].meta["val"], node.meta["val"]
     found = halo.fetches(x.shape, y.shape, spec.inputs[0], _stencils(node), rank.mesh.sizes)
-    fetches = tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found)
+    fetches = halo.kernel_fetches(found, rank)
     kwargs = dict(stride=stride, padding=_padding(node), dilation=dilation, groups=groups, fetches=fetches)
     if not transposed:
         return halo_conv, tuple(local_inputs), kwargs

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 
 from ...ir import GLOBAL, PLACEMENTS
 from ...kernels.halo import Runs, fetch_layout, row_starts
-from ...placements import chunk_sizes, local_shape
+from ...placements import chunk_sizes, local_offset, local_shape
 
 RowMap = Callable[[tuple[int, ...]], tuple[Runs, ...]]  # output chunk sizes -> every rank's wanted rows
 
@@ -45,7 +45,7 @@ def scattered(stride: int, padding: int, reach: int) -> RowMap:
 
 def spans(first: Callable[[int], int], end: Callable[[int], int]) -> RowMap:
     """Output row i reads input rows first(i) ... end(i) - 1, both non-decreasing in i (adaptive
-    pooling's windows, of varying size)."""
+    pooling's windows, of varying size; linear resampling to any size)."""
     return lambda out_sizes: tuple(((first(o), end(o + n - 1) - first(o)),) if n else ()
                                    for o, n in zip(row_starts(out_sizes), out_sizes))
 
@@ -82,6 +82,21 @@ def fetches(x_shape, y_shape, placements, maps: dict[int, RowMap], mesh_sizes):
             n = mesh_sizes[a]
             out.append((p.dim, a, maps[p.dim](chunk_sizes(y_shape[p.dim], n)), chunk_sizes(x_shape[p.dim], n)))
     return out
+
+
+def kernel_fetches(found, rank) -> tuple:
+    """The found dims of `fetches` as the halo kernels take them: (tensor dim, every rank's wanted
+    rows, input chunk sizes, this rank's mesh axis)."""
+    return tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found)
+
+
+def computed_rows(kind: str, found, x_shape, y_shape, out_placements, rank, scales: dict[int, float]) -> tuple:
+    """kernels/resize.halo_resize's `rows` for the found dims of `fetches`: (dim, `kind`, this rank's
+    first fetched row, first output row, output rows, input size, output size, the dim's scale)."""
+    offset = local_offset(y_shape, out_placements, rank.mesh.sizes, rank.coord)
+    mine = local_shape(y_shape, out_placements, rank.mesh.sizes, rank.coord)
+    return tuple((d, kind, wants[rank.coord[a]][0][0], offset[d], mine[d], x_shape[d], y_shape[d], scales.get(d))
+                 for d, a, wants, _ in found)
 
 
 def nonempty(x_shape, y_shape, maps, mesh_sizes, placements) -> bool:

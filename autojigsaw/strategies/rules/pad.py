@@ -81,7 +81,7 @@ def _halo_pad_call(node, spec, rank, local_inputs):
     found = halo.fetches(x.shape, y.shape, spec.inputs[0], _row_maps(node), rank.mesh.sizes)
     value = (list(node.args) + [None] * 4)[3 if node.target is aten.pad.default else 2]
     return halo_pad, (local_inputs[0], list(node.args[1])), dict(
-        mode=_mode(node), value=value, fetches=tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found))
+        mode=_mode(node), value=value, fetches=halo.kernel_fetches(found, rank))
 
 
 def _halo_pad_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:

@@ -12,7 +12,7 @@ spatial dim shards:
     kernel "partial_mean_pool": each rank pools its rows, weighted by its share of them, and the
     output is a Partial sum (the pooled point is summed, the feature map never gathered); to more
     points (a pyramid pooling's 2, 3, 6), through kernel "halo_adaptive_pool": each rank fetches
-    the rows of its output rows' windows and averages them (kernels/pooling.py).
+    the rows of its output rows' windows and averages them (kernels/resize.py).
 Adaptive max pooling, an average that does not count its padding, or one whose last window in
 ceil mode runs past the padding (it divides by fewer rows), changes the windows at the edges:
 they run batch- or channel-sharded or whole.
@@ -20,16 +20,17 @@ they run batch- or channel-sharded or whole.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-
-import math
 
 from ...cost_model.compute import memory_time
 from ...kernels import registry
 from ...kernels.halo import halo_pool
-from ...kernels.pooling import halo_adaptive_pool, partial_mean_pool
-from ...placements import chunk_sizes, chunks_align, local_offset, local_shape
+from ...kernels.pooling import partial_mean_pool
+from ...kernels.resize import halo_resize
+from ...placements import chunk_sizes, chunks_align, local_shape
 from . import halo
 from .base import AxisOption, per_axis, register
 
@@ -79,13 +80,13 @@ def pool(node, mesh, candidates):
         return True
 
     def every_rank_holds_rows(strategy) -> bool:
+        """Does every rank hold rows of each dim pooled to a point (its share is not zero)?"""
         return all(min(chunk_sizes(x.shape[p.dim], n)) > 0 for p, n in zip(strategy.inputs[0], mesh.sizes)
                    if isinstance(p, Shard) and p.dim in to_a_point)
 
     fetched = {**overlapping, **adaptive}
-    return [s for s in per_axis(mesh, options) if tiles(s) and halo.one_axis_each(s.inputs[0], fetched)
-            and halo.nonempty(x.shape, y.shape, fetched, mesh.sizes, s.inputs[0])
-            and halo.one_axis_each(s.inputs[0], to_a_point) and every_rank_holds_rows(s)]
+    return [s for s in per_axis(mesh, options) if tiles(s) and halo.one_axis_each(s.inputs[0], [*fetched, *to_a_point])
+            and halo.nonempty(x.shape, y.shape, fetched, mesh.sizes, s.inputs[0]) and every_rank_holds_rows(s)]
 
 
 def _outputs(node) -> int:
@@ -168,7 +169,7 @@ def _halo_pool_call(node, spec, rank, local_inputs):
     kernel, stride, padding, *_ = _pool_args(node, len(spatial))
     fill = float("-inf") if node.target in _MAX_POOLS else 0.0
     return halo_pool, (local_inputs[0], kernel, stride, padding, *node.args[4:]), dict(
-        op=node.target, fetches=tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found), fill=fill)
+        op=node.target, fetches=halo.kernel_fetches(found, rank), fill=fill)
 
 
 def _halo_pool_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
@@ -201,11 +202,9 @@ def _halo_adaptive_call(node, spec, rank, local_inputs):
     x, y = node.args[0].meta["val"], node.meta["val"]
     spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
     found = halo.fetches(x.shape, y.shape, spec.inputs[0], _adaptive_windows(node, spatial), rank.mesh.sizes)
-    offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
-    ys = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
-    rows = tuple((d, wants[rank.coord[a]][0][0], offset[d], ys[d], x.shape[d], y.shape[d]) for d, a, wants, _ in found)
-    return halo_adaptive_pool, (local_inputs[0], node.args[1]), dict(
-        op=node.target, fetches=tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found), rows=rows)
+    rows = halo.computed_rows("window_means", found, x.shape, y.shape, spec.outputs[0], rank, {})
+    return halo_resize, (local_inputs[0],), dict(op=node.target, op_args=(), out_size=tuple(y.shape[d] for d in spatial),
+                                                 fetches=halo.kernel_fetches(found, rank), rows=rows)
 
 
 registry.add(registry.Kernel(HALO_ADAPTIVE, _halo_adaptive_call, halo.traffic, _halo_pool_cost))

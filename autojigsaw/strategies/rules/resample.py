@@ -4,15 +4,15 @@ By a power of two s (1 / s is exact in floating point, so every rank computes th
 positions one device would), output row i of nearest upsampling copies input row i // s: where
 every rank's output chunk is its input chunk repeated, it runs on the local rows (kernel
 "local_upsample", which passes the local output size: the captured call's is the global one).
-Otherwise, and for linear (bilinear, trilinear) upsampling without align_corners, kernel
-"halo_resample" fetches the input rows the chunk reads (rules/halo.py; linear reads one more on
-each side, and past the edges torch clamps to the edge row, which the fetch copies), upsamples
-them and keeps the chunk's rows. align_corners=True (U-Nets' bilinear upsampling) reads source row
-i x (in - 1) / (out - 1) for output row i, to any size, which no call on local rows reproduces: the
-same kernel fetches the rows each chunk reads and interpolates its sharded dims itself, at those
-source positions.
+Otherwise, and for linear (bilinear, trilinear) upsampling by powers of two without
+align_corners, kernel "halo_resample" fetches the input rows the chunk reads (rules/halo.py;
+linear reads one more on each side, and past the edges torch clamps to the edge row, which the
+fetch copies), upsamples them and keeps the chunk's rows. Linear resampling to any other size,
+and with align_corners=True (U-Nets' bilinear upsampling) to any size, reads source rows at
+positions no call on local rows reproduces (i x (in - 1) / (out - 1) with aligned corners,
+(i + 0.5) x in / out - 0.5 without): the same kernel name fetches the rows each chunk reads and
+interpolates its sharded dims itself at those positions (kernels/resize.py).
 """
-
 from __future__ import annotations
 
 import math
@@ -22,7 +22,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ...cost_model.compute import memory_time
 from ...kernels import registry
-from ...kernels.halo import halo_resample, halo_resample_corners
+from ...kernels.halo import halo_resample
+from ...kernels.resize import halo_resize
 from ...placements import chunk_sizes, chunks_align, local_offset, local_shape
 from . import halo
 from .base import AxisOption, per_axis, register
@@ -88,24 +89,47 @@ def _scales(node) -> dict[int, int]:
     return {d: s for d, s in out.items() if s & (s - 1) == 0}
 
 
-def _aligns_corners(node) -> bool:
-    return node.target in _LINEAR and bool(node.args[2])
+def _computed(node) -> bool:
+    """Does the kernel compute the sharded dims' source positions itself (linear resampling with
+    aligned corners, or to a size that is not a power of two of the input's)?"""
+    return node.target in _LINEAR and (bool(node.args[2]) or len(_scales(node)) < len(_spatial(node)))
+
+
+def _source_scales(node) -> dict[int, float]:
+    """{spatial dim: the scale of its source positions}, as aten computes it."""
+    x, y = node.args[0].meta["val"], node.meta["val"]
+    factors = (list(node.args) + [None])[3]
+    out = {}
+    for k, d in enumerate(_spatial(node)):
+        if node.args[2]:
+            out[d] = (x.shape[d] - 1) / (y.shape[d] - 1) if y.shape[d] > 1 else 0.0
+        elif factors and factors[k] > 0:
+            out[d] = 1.0 / factors[k]
+        else:
+            out[d] = x.shape[d] / y.shape[d]
+    return out
 
 
 def _row_maps(node) -> dict[int, halo.RowMap]:
     """{dim the halo kernel shards: every rank's wanted input rows}."""
-    x, y = node.args[0].meta["val"], node.meta["val"]
-    if _aligns_corners(node):
-        return {d: _corners_map(x.shape[d], y.shape[d]) for d in _spatial(node)}
+    x = node.args[0].meta["val"]
+    if _computed(node):
+        return {d: _linear_map(x.shape[d], _source(node, scale)) for d, scale in _source_scales(node).items()}
     return {d: _row_map(node, s, x.shape[d]) for d, s in _scales(node).items()}
 
 
-def _corners_map(size: int, out: int) -> halo.RowMap:
-    """Each rank's input rows under align_corners: output row i reads rows floor(i x (size - 1) / (out - 1))
-    and the next, and one more each side (clamped): the kernel's own rounding of the position may differ."""
-    scale = (size - 1) / (out - 1) if out > 1 else 0.0
-    return halo.spans(lambda i: max(math.floor(i * scale) - 1, 0),
-                      lambda i: min(math.floor(i * scale) + 2, size - 1) + 1)
+def _source(node, scale: float):
+    """Output row i's source position (aten rounds it in its own precision)."""
+    if node.args[2]:
+        return lambda i: i * scale
+    return lambda i: max((i + 0.5) * scale - 0.5, 0.0)
+
+
+def _linear_map(size: int, source) -> halo.RowMap:
+    """Each rank's input rows: output row i reads rows floor(source(i)) and the next, and one more each
+    side (clamped): the kernel's own rounding of the position may differ."""
+    return halo.spans(lambda i: max(math.floor(source(i)) - 1, 0),
+                      lambda i: min(math.floor(source(i)) + 2, size - 1) + 1)
 
 
 def _row_map(node, scale: int, size: int) -> halo.RowMap:
@@ -135,14 +159,18 @@ def _halo_call(node, spec, rank, local_inputs):
     x, y = node.args[0].meta["val"], node.meta["val"]
     scales = _scales(node)
     found = halo.fetches(x.shape, y.shape, spec.inputs[0], _row_maps(node), rank.mesh.sizes)
-    offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
     out_size = tuple(y.shape[d] for d in _spatial(node))
-    fetches = tuple((d, wants, sizes, rank.axis(a)) for d, a, wants, sizes in found)
-    if _aligns_corners(node):
-        ys = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
-        rows = tuple((d, wants[rank.coord[a]][0][0], offset[d], ys[d], x.shape[d]) for d, a, wants, _ in found)
-        return halo_resample_corners, (local_inputs[0],), dict(op=node.target, out_size=out_size, fetches=fetches,
-                                                                rows=rows)
+    fetches = halo.kernel_fetches(found, rank)
+    if _computed(node):
+        kind = "corners" if node.args[2] else "half_pixel"
+        rows = halo.computed_rows(kind, found, x.shape, y.shape, spec.outputs[0], rank, _source_scales(node))
+        # aten resamples the other dims with the call's scale factors, and copies the computed ones
+        factors, computed = (list(node.args) + [None])[3], {d for d, *_ in found}
+        scales = [None if d in computed or not factors else factors[k] for k, d in enumerate(_spatial(node))]
+        return halo_resize, (local_inputs[0],), dict(op=node.target.overloadpacket.default,
+                                                     op_args=(node.args[2], *scales), out_size=out_size,
+                                                     fetches=fetches, rows=rows)
+    offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
     extra = 1 if node.target in _LINEAR else 0
     crops = []
     for d, a, _, _ in found:
