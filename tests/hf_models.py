@@ -56,4 +56,10 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                num_local_experts=8, num_experts_per_tok=2, use_cache=False)
         return tf.MixtralForCausalLM(cfg), (ids[:1, :8],)
+    if name == "hubert":  # speech: convolutions over samples; transformers' SpecAugment and LayerDrop defaults
+        cfg = tf.HubertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                              conv_dim=(8, 8), conv_stride=(2, 2), conv_kernel=(4, 3), num_conv_pos_embeddings=4,
+                              num_conv_pos_embedding_groups=2, vocab_size=12, feat_extract_norm="layer",
+                              hidden_dropout=dropout)
+        return tf.HubertForCTC(cfg), (torch.randn(1, 64),)
     raise ValueError(f"unknown model {name!r}; known: {NAMES}")

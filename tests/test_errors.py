@@ -1,8 +1,10 @@
 """Bad input gets a ValueError that says what is wrong and how to fix it."""
 
 import copy
+import random
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -504,3 +506,41 @@ def test_attribute_set_in_the_forward_is_refused():
                                          r"\(.*test_errors.py:\d+\): .*Return the value from the forward"):
         autojigsaw.plan(_KeepsAuxLoss("attribute"), (X,), {"tensor": 2}, device="cpu")
     autojigsaw.plan(_KeepsAuxLoss("buffer"), (X,), {"tensor": 2}, device="cpu")
+
+
+class _HostNoise(torch.nn.Module):
+    """Noise drawn on the host, as SpecAugment (numpy) or an old LayerDrop (Python's random) draws it."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source = source
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        if self.source == "numpy":
+            keep = torch.tensor(np.random.rand(*x.shape[:-1]) > 0.5)
+        elif self.source == "python":
+            keep = torch.tensor(random.random() > 0.5)
+        else:
+            keep = torch.rand(x.shape[:-1]) > 0.5
+        return self.lin(x) * keep.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("source, call", [("numpy", "numpy.random.rand"), ("python", "random.random")])
+def test_random_draws_outside_torch_are_refused(source, call):
+    # the trace kept the one draw made while tracing as a constant: every step reused it, silently
+    with pytest.raises(ValueError, match=rf"_HostNoise draws random numbers outside torch in its forward: "
+                                         rf"{re.escape(call)} at .*test_errors.py:\d+\. .*Draw with torch instead"):
+        autojigsaw.plan(_HostNoise(source), (X,), {"tensor": 2}, device="cpu")
+    autojigsaw.plan(_HostNoise("torch"), (X,), {"tensor": 2}, device="cpu")  # a graph op, replayed each step
+
+
+def test_speech_models_say_how_to_train_with_layer_drop_and_spec_augment():
+    model, inputs = hf_model("hubert")  # transformers' defaults: layerdrop 0.1, mask_time_prob 0.05
+    with pytest.raises(ValueError, match=r"LayerDrop \(config.layerdrop=0.1\).*layerdrop=0.0") as err:
+        autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu")  # torch.rand, then a Python branch
+    assert "experts" not in str(err.value)  # it had blamed a Python loop over MoE experts
+    model.config.layerdrop = 0.0
+    with pytest.raises(ValueError, match=r"HubertForCTC draws random numbers outside torch in its forward: "
+                                         r"numpy\.random\.rand at .*modeling_hubert\.py:\d+.*mask_time_indices="):
+        autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu")

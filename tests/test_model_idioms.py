@@ -29,6 +29,7 @@ from autojigsaw.placements import format_placements
 from autojigsaw.strategies.annotate import MAX_OUTPUT_STRATEGIES
 from autojigsaw.testing.local_ranks import get_mesh
 
+from .hf_models import hf_model
 from .jigsaw_common import pinned_plan
 from .side_by_side import max_diff
 from .test_errors import _RoundThrough  # a straight-through round, refused there through parallelize
@@ -357,3 +358,42 @@ def test_an_unused_auxiliary_head_plans_and_trains_like_one_device(ranks2):
     for r in ranks2.run(_auxiliary_head_trains, plan.to_json()):
         assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["stats"] <= 1e-12, r
         assert r["no grad"] == [True] * 6, r  # the head's parameters get none on one device either
+
+
+def _speech_inputs():
+    model, (x,) = hf_model("hubert")
+    model.config.layerdrop = 0.0
+    mask = torch.zeros(1, 15, dtype=torch.bool)
+    mask[0, 3:6] = True
+    return model.hubert.double(), x.double(), mask
+
+
+def _speech_masks_train(plan_json: str) -> dict:
+    ref, x, mask = _speech_inputs()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False,
+                                    example_kwargs={"mask_time_indices": mask},
+                                    plan=autojigsaw.Plan.from_json(plan_json))
+    calls = []
+
+    def run(model):  # a new mask each step, of another size (3, then 5 frames): both models see it
+        step = len(calls) // 2
+        calls.append(step)
+        mask = torch.zeros(1, 15, dtype=torch.bool)
+        mask[0, 2 + 4 * step:5 + 6 * step] = True
+        torch.manual_seed(step)  # its dropouts' masks alike too
+        out = model(x, mask_time_indices=mask).last_hidden_state
+        # weighted: a plain sum of squares after the last LayerNorm is flat, its gradient roundoff
+        return out.detach(), (out.square() * torch.linspace(0, 1, out.shape[-1])).mean()
+
+    return _two_adam_steps(pmodel, ref, run)
+
+
+def test_speech_masks_drawn_outside_and_passed_in_train_like_one_device(ranks2):
+    # drawn inside, with numpy, the trace froze one mask (tests/test_errors.py); as inputs they change
+    ref, x, mask = _speech_inputs()
+    one = autojigsaw.plan(ref, (x,), {"tensor": 1}, device="cpu", example_kwargs={"mask_time_indices": mask})
+    plan = autojigsaw.plan(ref, (x,), {"tensor": 2}, device="cpu", example_kwargs={"mask_time_indices": mask},
+                           memory_budget=int(0.6 * one.memory_per_rank))
+    for r in ranks2.run(_speech_masks_train, plan.to_json()):
+        assert r["sharded"] > 0, plan.table()
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..modules import module_path
 from .custom_functions import backward_is_derivative, functions_applied
+from .host_random import host_draws, refuse_host_draws
 
 aten = torch.ops.aten
 log = logging.getLogger("autojigsaw")
@@ -31,10 +32,11 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     hooked: list[str] = []
     silent: list[str] = []
     written: list[tuple[str, str, str]] = []
+    drawn: list[str] = []
     try:
         with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
-              _attributes_written(model, written), warnings.catch_warnings(),
+              _attributes_written(model, written), host_draws(drawn), warnings.catch_warnings(),
               contextlib.redirect_stderr(torch_stderr)):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
@@ -49,6 +51,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     _refuse_tensor_hooks(model, hooked)
     _refuse_silent_forward_hooks(silent)
     _refuse_attribute_writes(written)
+    refuse_host_draws(model, drawn)
     return ep
 
 
@@ -290,9 +293,14 @@ def _export_error(model: torch.nn.Module, e: Exception) -> str:
     marker = "The following call raised this error:"
     at = lines.index(marker) if marker in lines else None
     where = "" if at is None else "\n".join(lines[at:at + 3]) + "\n"  # the model's line that failed
-    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
+    config = getattr(model, "config", None)
+    experts = any(type(m).__name__.endswith("Experts") for m in model.modules())
+    if experts and getattr(config, "_experts_implementation", None) == "eager":
         fix = (f"{type(model).__name__}'s experts loop in Python over the experts hit (experts_implementation="
                "'eager'): build it with the default experts implementation (grouped_mm), which autojigsaw shards.")
+    elif getattr(config, "layerdrop", 0) and model.training:
+        fix = (f"{type(model).__name__}'s LayerDrop (config.layerdrop={config.layerdrop}) decides in Python, at "
+               "each step, whether a layer runs, which one captured graph cannot: build it with layerdrop=0.0.")
     else:
         fix = ("autojigsaw needs a model that torch.export(strict=False) can trace: remove data-dependent "
                "Python control flow, and pass use_cache=False to Hugging Face models.")
