@@ -8,6 +8,7 @@ optimizer sees) and computes in bf16. FSDP on a data axis is priced (sharded sta
 
 import copy
 import functools
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -238,3 +239,20 @@ def test_bf16_mixed_precision_matches_the_single_device_with_the_same_casts(rank
     for r in ranks2.run(_bf16_run, plan.to_json()):
         assert r["masters"] == {torch.float32} and r["grads"] == {torch.float32}, r
         assert r["grad"] <= 9 * 2.0**-8, r  # one bf16 rounding more per matmul than the single device
+
+
+def _autocast_run() -> list[str]:
+    ref, inputs = build("mixer", dtype=torch.float32)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pmodel(*inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pmodel(*inputs)
+    return [str(w.message) for w in caught if "autocast" in str(w.message)]
+
+
+def test_a_call_under_autocast_says_the_plan_did_not_price_it(ranks2):
+    # autocast applies to the graph's ops as they run, unplanned: partial sums rounded per rank
+    for messages in ranks2.run(_autocast_run):
+        assert len(messages) == 1 and "pass mp_policy=MixedPrecisionPolicy(" in messages[0], messages

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +53,12 @@ class Program:
     run: Callable
     precision: Precision = Precision()
     symbolic: Captured | None = None  # with dynamic=True: the graph at symbolic sizes, its plan serves their range
+
+
+_AUTOCAST = ("autojigsaw: a parallelized module called under torch.autocast runs its ops autocast, but its plan "
+             "priced the model's dtype, and each rank rounds its partial sums to the autocast dtype before they "
+             "are added: for planned mixed precision, pass mp_policy=MixedPrecisionPolicy(param_dtype="
+             "torch.bfloat16, reduce_dtype=torch.float32) to parallelize and call it without autocast")
 
 
 class ParallelModule(nn.Module):
@@ -195,6 +202,8 @@ class ParallelModule(nn.Module):
         return self
 
     def forward(self, *args, **kwargs):
+        if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+            warnings.warn(_AUTOCAST, stacklevel=2)
         key = self._key(args, kwargs)
         if key not in self._programs:
             self.build(args, kwargs)
