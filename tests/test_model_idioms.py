@@ -397,3 +397,68 @@ def test_speech_masks_drawn_outside_and_passed_in_train_like_one_device(ranks2):
     for r in ranks2.run(_speech_masks_train, plan.to_json()):
         assert r["sharded"] > 0, plan.table()
         assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+
+
+def _checkpointed_gpt2():
+    model, (ids,) = hf_model("gpt2")
+    model = model.double().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model, ids
+
+
+def _checkpointed_gpt2_trains(plan_json: str) -> dict:
+    ref, ids = _checkpointed_gpt2()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (ids,), compile=False,
+                                    plan=autojigsaw.Plan.from_json(plan_json))
+
+    def run(model):
+        logits = model(ids).logits
+        return logits.detach(), (logits.square() * torch.linspace(0, 1, logits.shape[-1])).mean()
+
+    return _two_adam_steps(pmodel, ref, run)
+
+
+def test_reentrant_gradient_checkpointing_trains_like_one_device(ranks2):
+    # export kept the checkpoint's no_grad region and dropped its autograd.Function: the layers' outputs
+    # were detached, and the loss raised "element 0 of tensors does not require grad"
+    model, ids = _checkpointed_gpt2()
+    one = autojigsaw.plan(model, (ids,), {"tensor": 1}, device="cpu").memory_per_rank
+    plan = autojigsaw.plan(model, (ids,), {"tensor": 2}, device="cpu", memory_budget=int(0.6 * one))
+    for r in ranks2.run(_checkpointed_gpt2_trains, plan.to_json()):
+        assert r["sharded"] > 0, plan.table()
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Blocks under reentrant checkpoints fed an input that needs no gradient: eager gives them none."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=True)
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.b(t)), h, use_reentrant=True)
+        return self.head(h)
+
+
+def _checkpointed_blocks_grads(x_needs_grad: bool) -> dict:
+    torch.manual_seed(0)
+    ref = _CheckpointedBlocks().double()
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_(x_needs_grad)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False)
+    grads = {}
+    for name, model in (("parallel", pmodel), ("eager", ref)):
+        model(x).square().sum().backward()
+        grads[name] = {n: None if p.grad is None else getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
+                       for n, p in model.named_parameters()}
+    return {n: (None if g is None else max_diff(g, grads["eager"][n])) if (g is None) == (grads["eager"][n] is None)
+            else "one side only" for n, g in grads["parallel"].items()}
+
+
+def test_reentrant_checkpoints_give_the_gradients_eager_gives(ranks2):
+    for x_needs_grad in (False, True):  # eager gives the blocks none where no input of theirs needs one
+        for r in ranks2.run(_checkpointed_blocks_grads, x_needs_grad):
+            blocks = [r[f"{m}.{p}"] for m in "ab" for p in ("weight", "bias")]
+            assert all(d <= 1e-14 for d in blocks) if x_needs_grad else blocks == [None] * 4, r
+            assert r["head.weight"] <= 1e-14 and r["head.bias"] <= 1e-14, r

@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from ..modules import module_path
+from .checkpointing import reentrant_checkpoints_inlined
 from .custom_functions import backward_is_derivative, functions_applied
 from .host_random import host_draws, refuse_host_draws
 
@@ -34,7 +35,8 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     written: list[tuple[str, str, str]] = []
     drawn: list[str] = []
     try:
-        with (_no_kv_cache(model), _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
+        with (_no_kv_cache(model), reentrant_checkpoints_inlined(),
+              _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
               _attributes_written(model, written), host_draws(drawn), warnings.catch_warnings(),
               contextlib.redirect_stderr(torch_stderr)):
