@@ -203,7 +203,8 @@ def _halo_adaptive_call(node, spec, rank, local_inputs):
     spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
     found = halo.fetches(x.shape, y.shape, spec.inputs[0], _adaptive_windows(node, spatial), rank.mesh.sizes)
     rows = halo.computed_rows("window_means", found, x.shape, y.shape, spec.outputs[0], rank, {})
-    return halo_resize, (local_inputs[0],), dict(op=node.target, op_args=(), out_size=tuple(y.shape[d] for d in spatial),
+    out_size = tuple(y.shape[d] for d in spatial)
+    return halo_resize, (local_inputs[0],), dict(op=node.target, op_args=(), out_size=out_size,
                                                  fetches=halo.kernel_fetches(found, rank), rows=rows)
 
 

@@ -13,6 +13,7 @@ positions no call on local rows reproduces (i x (in - 1) / (out - 1) with aligne
 (i + 0.5) x in / out - 0.5 without): the same kernel name fetches the rows each chunk reads and
 interpolates its sharded dims itself at those positions (kernels/resize.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -166,9 +167,9 @@ def _halo_call(node, spec, rank, local_inputs):
         rows = halo.computed_rows(kind, found, x.shape, y.shape, spec.outputs[0], rank, _source_scales(node))
         # aten resamples the other dims with the call's scale factors, and copies the computed ones
         factors, computed = (list(node.args) + [None])[3], {d for d, *_ in found}
-        scales = [None if d in computed or not factors else factors[k] for k, d in enumerate(_spatial(node))]
+        aten_scales = [None if d in computed or not factors else factors[k] for k, d in enumerate(_spatial(node))]
         return halo_resize, (local_inputs[0],), dict(op=node.target.overloadpacket.default,
-                                                     op_args=(node.args[2], *scales), out_size=out_size,
+                                                     op_args=(node.args[2], *aten_scales), out_size=out_size,
                                                      fetches=fetches, rows=rows)
     offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
     extra = 1 if node.target in _LINEAR else 0
