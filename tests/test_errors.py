@@ -544,3 +544,16 @@ def test_speech_models_say_how_to_train_with_layer_drop_and_spec_augment():
     with pytest.raises(ValueError, match=r"HubertForCTC draws random numbers outside torch in its forward: "
                                          r"numpy\.random\.rand at .*modeling_hubert\.py:\d+.*mask_time_indices="):
         autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu")
+
+
+def test_layer_drop_drawn_with_pythons_random_is_refused():
+    # MusicGen draws LayerDrop with random.uniform: the trace kept one draw, a layer skipped at every step or never
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MusicgenDecoderConfig(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   ffn_dim=64, num_codebooks=2, max_position_embeddings=64, layerdrop=0.1,
+                                   pad_token_id=0, bos_token_id=1)
+    ids = torch.randint(0, 32, (4, 8))
+    with pytest.raises(ValueError, match=r"random\.uniform at .*modeling_musicgen\.py:\d+.*layerdrop=0\.0"):
+        autojigsaw.plan(tf.MusicgenForCausalLM(cfg).train(), (ids,), {"tensor": 2}, device="cpu")

@@ -67,6 +67,9 @@ def refuse_host_draws(model: torch.nn.Module, found: list[str]) -> None:
                 "outside the model, as transformers' _compute_mask_indices does; the base models and "
                 "Wav2Vec2ForPreTraining take them) with mask_feature_prob=0, or train without it "
                 "(apply_spec_augment=False).")
+    if getattr(config, "layerdrop", 0) and getattr(model, "training", False):
+        hint += (f" LayerDrop (config.layerdrop={config.layerdrop}) may draw so too: build the model with "
+                 "layerdrop=0.0.")
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     raise ValueError(
         f"{type(model).__name__} draws random numbers outside torch in its forward: {found[0]}{more}. The "
