@@ -300,7 +300,7 @@ def _export_error(model: torch.nn.Module, e: Exception) -> str:
     if experts and getattr(config, "_experts_implementation", None) == "eager":
         fix = (f"{type(model).__name__}'s experts loop in Python over the experts hit (experts_implementation="
                "'eager'): build it with the default experts implementation (grouped_mm), which autojigsaw shards.")
-    elif getattr(config, "layerdrop", 0) and model.training:
+    elif getattr(config, "layerdrop", 0) and model.training and "data-dependent" in text:
         fix = (f"{type(model).__name__}'s LayerDrop (config.layerdrop={config.layerdrop}) decides in Python, at "
                "each step, whether a layer runs, which one captured graph cannot: build it with layerdrop=0.0.")
     else:

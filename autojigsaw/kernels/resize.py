@@ -31,9 +31,9 @@ def halo_resize(x: torch.Tensor, *, op, op_args: tuple, out_size: tuple[int, ...
     return op(x, size, *op_args)
 
 
-def _lerp(x, dim: int, fetched_from: int, out_rows: range, in_size: int, source) -> torch.Tensor:
-    """Rows `out_rows` of x's dim interpolated between the rows below and above `source` (their
-    positions, in the accumulation dtype), x holding the input rows from `fetched_from` on."""
+def _lerp(x, dim: int, fetched_from: int, in_size: int, source) -> torch.Tensor:
+    """x's dim interpolated between the rows below and above each of `source` (positions, in the
+    accumulation dtype), x holding the input rows from `fetched_from` on."""
     below = source.floor().long().clamp(max=in_size - 1)
     above = (below + 1).clamp(max=in_size - 1)
     weight = (source - below).clamp(0, 1).to(x.dtype).reshape([-1] + [1] * (x.ndim - dim - 1))
@@ -45,7 +45,7 @@ def _corners(x, dim, fetched_from, out_rows, in_size, out_size, scale) -> torch.
     """Linear resampling with align_corners=True: source row i x scale, scale (in - 1) / (out - 1)."""
     acc = acc_dtype(x.dtype)
     source = torch.arange(out_rows.start, out_rows.stop, dtype=acc, device=x.device) * torch.tensor(scale, dtype=acc)
-    return _lerp(x, dim, fetched_from, out_rows, in_size, source)
+    return _lerp(x, dim, fetched_from, in_size, source)
 
 
 def _half_pixel(x, dim, fetched_from, out_rows, in_size, out_size, scale) -> torch.Tensor:
@@ -55,7 +55,7 @@ def _half_pixel(x, dim, fetched_from, out_rows, in_size, out_size, scale) -> tor
     half = torch.tensor(0.5, dtype=acc)
     source = (torch.arange(out_rows.start, out_rows.stop, dtype=acc, device=x.device) + half) * torch.tensor(
         scale, dtype=acc) - half
-    return _lerp(x, dim, fetched_from, out_rows, in_size, source.clamp(min=0))
+    return _lerp(x, dim, fetched_from, in_size, source.clamp(min=0))
 
 
 def _window_means(x, dim, fetched_from, out_rows, in_size, out_size, scale) -> torch.Tensor:
