@@ -376,16 +376,6 @@ class CornerAligned(nn.Module):
         return F.interpolate(x, size=(20, 10), mode="bilinear", align_corners=True)
 
 
-@pytest.mark.parametrize("mesh, layout", [({"domain": 4}, "S(2)"), ({"domain": 2, "tensor": 2}, "S(2),S(3)")],
-                         ids=["rows-4", "rows-columns-2x2"])
-def test_resampling_with_aligned_corners_fetches_its_rows(ranks4, mesh, layout):
-    x = torch.randn(1, 2, 10, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
-    make = partial(seeded, CornerAligned, F64)
-    plan, names = _plan_sharded(make, x, mesh, layout, ("upsample",))
-    assert [plan.node(n).kernel for n in names] == ["halo_resample"] * 3, names
-    assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)
-
-
 class AnySize(nn.Module):
     """Bilinear resampling without aligned corners to sizes no power of two relates, as UperNet resizes
     its pyramid to the feature map: up to 13 x 7, by a scale factor of 1.5 (source rows at
@@ -403,11 +393,12 @@ class AnySize(nn.Module):
         return F.interpolate(x, size=(8, 4), mode="bilinear", align_corners=False)
 
 
+@pytest.mark.parametrize("model", [CornerAligned, AnySize], ids=["aligned-corners", "any-size"])
 @pytest.mark.parametrize("mesh, layout", [({"domain": 4}, "S(2)"), ({"domain": 2, "tensor": 2}, "S(2),S(3)")],
                          ids=["rows-4", "rows-columns-2x2"])
-def test_resampling_to_any_size_fetches_its_rows(ranks4, mesh, layout):
+def test_linear_resampling_fetches_its_rows(ranks4, model, mesh, layout):
     x = torch.randn(1, 2, 10, 5, generator=torch.Generator().manual_seed(1), dtype=F64)
-    make = partial(seeded, AnySize, F64)
+    make = partial(seeded, model, F64)
     plan, names = _plan_sharded(make, x, mesh, layout, ("upsample",))
     assert [plan.node(n).kernel for n in names] == ["halo_resample"] * 3, names
     assert_matches(ranks4.run(train_side_by_side, make, (x,), tuple(plan.mesh.sizes), plan.to_json()), F64)

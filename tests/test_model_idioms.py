@@ -118,6 +118,13 @@ def _two_adam_steps(pmodel, ref, run) -> dict:
     return diffs
 
 
+def _assert_sharded_and_equal(results: list[dict], plan) -> None:
+    """Every rank of `_two_adam_steps` sharded weights and matched one device to 1e-12 (fp64)."""
+    for r in results:
+        assert r["sharded"] > 0, plan.table()
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+
+
 def _bloom_trains(plan_json: str) -> dict:
     ref, (ids,) = _bloom()
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (ids,), compile=False,
@@ -317,9 +324,7 @@ def test_a_position_bias_under_a_mask_shards_its_heads_and_trains_like_one_devic
     model, inputs = _masked_bias_inputs()
     plan = pinned_plan(model, inputs, {"tensor": 2}, {"where": lambda s: format_placements(s.outputs[0]) == "S(1)"})
     assert not plan.fallbacks and format_placements(plan.node("where").inputs[1]) == "S(1)", plan.table()
-    for r in ranks2.run(_masked_bias_trains, plan.to_json()):
-        assert r["sharded"] > 0, plan.table()
-        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+    _assert_sharded_and_equal(ranks2.run(_masked_bias_trains, plan.to_json()), plan)
 
 
 class _UnusedAuxiliaryHead(nn.Module):
@@ -394,9 +399,7 @@ def test_speech_masks_drawn_outside_and_passed_in_train_like_one_device(ranks2):
     one = autojigsaw.plan(ref, (x,), {"tensor": 1}, device="cpu", example_kwargs={"mask_time_indices": mask})
     plan = autojigsaw.plan(ref, (x,), {"tensor": 2}, device="cpu", example_kwargs={"mask_time_indices": mask},
                            memory_budget=int(0.6 * one.memory_per_rank))
-    for r in ranks2.run(_speech_masks_train, plan.to_json()):
-        assert r["sharded"] > 0, plan.table()
-        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+    _assert_sharded_and_equal(ranks2.run(_speech_masks_train, plan.to_json()), plan)
 
 
 def _checkpointed_gpt2():
@@ -424,9 +427,7 @@ def test_reentrant_gradient_checkpointing_trains_like_one_device(ranks2):
     model, ids = _checkpointed_gpt2()
     one = autojigsaw.plan(model, (ids,), {"tensor": 1}, device="cpu").memory_per_rank
     plan = autojigsaw.plan(model, (ids,), {"tensor": 2}, device="cpu", memory_budget=int(0.6 * one))
-    for r in ranks2.run(_checkpointed_gpt2_trains, plan.to_json()):
-        assert r["sharded"] > 0, plan.table()
-        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+    _assert_sharded_and_equal(ranks2.run(_checkpointed_gpt2_trains, plan.to_json()), plan)
 
 
 class _CheckpointedBlocks(nn.Module):
