@@ -443,11 +443,13 @@ class _CheckpointedBlocks(nn.Module):
         return self.head(h)
 
 
-def _checkpointed_blocks_grads(x_needs_grad: bool) -> dict:
+def _checkpointed_blocks_grads(x_needs_grad: bool, planned_needing_grad: bool) -> dict:
     torch.manual_seed(0)
     ref = _CheckpointedBlocks().double()
-    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_(x_needs_grad)
-    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (x,), compile=False)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)),
+                                    (x.clone().requires_grad_(planned_needing_grad),), compile=False)
+    x.requires_grad_(x_needs_grad)
     grads = {}
     for name, model in (("parallel", pmodel), ("eager", ref)):
         model(x).square().sum().backward()
@@ -458,8 +460,10 @@ def _checkpointed_blocks_grads(x_needs_grad: bool) -> dict:
 
 
 def test_reentrant_checkpoints_give_the_gradients_eager_gives(ranks2):
-    for x_needs_grad in (False, True):  # eager gives the blocks none where no input of theirs needs one
-        for r in ranks2.run(_checkpointed_blocks_grads, x_needs_grad):
+    # eager gives the blocks none where no input of theirs needs one; a program captured for an input
+    # that needs none served a later one that does, and its blocks silently got no gradient
+    for x_needs_grad, planned_needing_grad in ((False, False), (True, True), (True, False)):
+        for r in ranks2.run(_checkpointed_blocks_grads, x_needs_grad, planned_needing_grad):
             blocks = [r[f"{m}.{p}"] for m in "ab" for p in ("weight", "bias")]
             assert all(d <= 1e-14 for d in blocks) if x_needs_grad else blocks == [None] * 4, r
             assert r["head.weight"] <= 1e-14 and r["head.bias"] <= 1e-14, r

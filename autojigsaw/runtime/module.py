@@ -112,7 +112,7 @@ class ParallelModule(nn.Module):
     def _build(self, args: tuple, kwargs: dict) -> None:
         key = self._key(args, kwargs)
         serving = next((p for k, p in self._programs.items()
-                        if k[0] == key[0] and p.symbolic and p.symbolic.shapes.admits(args, kwargs)), None)
+                        if k[0::2] == key[0::2] and p.symbolic and p.symbolic.shapes.admits(args, kwargs)), None)
         if not self._programs:
             program = self._make(self._model, args, kwargs)
         elif serving is not None:
@@ -121,8 +121,9 @@ class ParallelModule(nn.Module):
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements,
                                  reuse=serving)
         else:
-            log.info("autojigsaw: planning again for input shapes %s in %s%s (parameters stay as placed)",
-                     key[1][-1], describe_modes(key[0]), changed_state(self._model, self._state, key[0]))
+            log.info("autojigsaw: planning again for input shapes %s (needing a gradient: %s) in %s%s (parameters "
+                     "stay as placed)", key[1][-1], key[2], describe_modes(key[0]),
+                     changed_state(self._model, self._state, key[0]))
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements)
         if dist.get_rank() == 0:
             log.info(program.plan.summary_line())
@@ -130,7 +131,7 @@ class ParallelModule(nn.Module):
         # the model's own code may set attributes while export runs it (a rotary cache's length): the next
         # call, from that state, needs no program of its own
         self._state = module_state(self._model)
-        self._programs[(self._state, key[1])] = program
+        self._programs[(self._state, *key[1:])] = program
         self._use(program)
         self._parameters.update(self._model._parameters)  # the model's own, now sharded
         self._buffers.update(self._model._buffers)
@@ -148,14 +149,15 @@ class ParallelModule(nn.Module):
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         """The program cache key: what export bakes into the graph. The modules' state (train/eval
         mode, plain attributes such as dropout's p, hooks), the input shapes (not when the caller
-        passes local shards: their global shape is the plan's, others are refused clearly), and the
-        values of the inputs that are no tensors."""
+        passes local shards: their global shape is the plan's, others are refused clearly), the
+        values of the inputs that are no tensors, and which tensor inputs need a gradient (a
+        reentrant checkpoint of inputs that need none is traced without one)."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._local_inputs_given:
             call = ("local shards", constant_keys(flat))
         else:
             call = (str(spec), tuple(value_key(x) for x in flat))
-        return module_state(self._model), call
+        return module_state(self._model), call, tuple(x.requires_grad for x in flat if isinstance(x, torch.Tensor))
 
     def __getattr__(self, name: str):
         """The model's own attributes read through (`pmodel.config`, `pmodel.temperature`), not its methods."""
