@@ -3,11 +3,13 @@
 import copy
 import random
 import re
+from random import uniform
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from numpy.random import rand
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -508,6 +510,9 @@ def test_attribute_set_in_the_forward_is_refused():
     autojigsaw.plan(_KeepsAuxLoss("buffer"), (X,), {"tensor": 2}, device="cpu")
 
 
+_HOST_RNG = random.Random(0)
+
+
 class _HostNoise(torch.nn.Module):
     """Noise drawn on the host, as SpecAugment (numpy) or an old LayerDrop (Python's random) draws it."""
 
@@ -515,22 +520,39 @@ class _HostNoise(torch.nn.Module):
         super().__init__()
         self.source = source
         self.lin = torch.nn.Linear(16, 16)
+        self.rng = np.random.default_rng(0)
 
     def forward(self, x):
         if self.source == "numpy":
             keep = torch.tensor(np.random.rand(*x.shape[:-1]) > 0.5)
         elif self.source == "python":
             keep = torch.tensor(random.random() > 0.5)
+        elif self.source == "numpy, imported":
+            keep = torch.tensor(rand(*x.shape[:-1]) > 0.5)
+        elif self.source == "python, imported":
+            keep = torch.tensor(uniform(0, 1) > 0.5)
+        elif self.source == "a generator made ahead":
+            keep = torch.tensor(self.rng.random(x.shape[:-1]) > 0.5)
+        elif self.source == "a module-level generator":
+            keep = torch.tensor(_HOST_RNG.random() > 0.5)
         else:
             keep = torch.rand(x.shape[:-1]) > 0.5
         return self.lin(x) * keep.unsqueeze(-1)
 
 
-@pytest.mark.parametrize("source, call", [("numpy", "numpy.random.rand"), ("python", "random.random")])
+@pytest.mark.parametrize("source, call", [
+    ("numpy", r"numpy\.random\.rand at .*test_errors.py:\d+"), ("python", r"random\.random at .*test_errors.py:\d+"),
+    # drawn past the functions host_draws patches: found by the generator's state
+    ("numpy, imported", r"a draw from numpy's global generator \(a function imported by name: from numpy\.random "
+                        r"import \.\.\.\)"),
+    ("python, imported", r"a draw from Python's global generator \(a function imported by name: from random import "
+                         r"\.\.\.\)"),
+    ("a generator made ahead", r"a draw from _HostNoise\.rng"),
+    ("a module-level generator", r"a draw from (tests\.)?test_errors\._HOST_RNG")])
 def test_random_draws_outside_torch_are_refused(source, call):
     # the trace kept the one draw made while tracing as a constant: every step reused it, silently
     with pytest.raises(ValueError, match=rf"_HostNoise draws random numbers outside torch in its forward: "
-                                         rf"{re.escape(call)} at .*test_errors.py:\d+\. .*Draw with torch instead"):
+                                         rf"{call}\. .*Draw with torch instead"):
         autojigsaw.plan(_HostNoise(source), (X,), {"tensor": 2}, device="cpu")
     autojigsaw.plan(_HostNoise("torch"), (X,), {"tensor": 2}, device="cpu")  # a graph op, replayed each step
 

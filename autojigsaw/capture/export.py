@@ -38,7 +38,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
         with (_no_kv_cache(model), reentrant_checkpoints_inlined(),
               _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
-              _attributes_written(model, written), host_draws(drawn), warnings.catch_warnings(),
+              _attributes_written(model, written), host_draws(model, drawn), warnings.catch_warnings(),
               contextlib.redirect_stderr(torch_stderr)):
             # torch 2.13's export trips over its own deprecation of LeafSpec: not the user's concern
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)

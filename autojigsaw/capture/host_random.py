@@ -5,7 +5,10 @@ in the forward (Hugging Face's SpecAugment in Wav2Vec2, HuBERT and their kin, on
 training) would be the one drawn while tracing, at every step, where eager draws a new one: the
 model would train differently with no error. Torch's own draws are ops of the graph, replayed
 each step. Tracing under `host_draws` records each call the model's code makes to numpy's or
-Python's generators; `refuse_host_draws` then names the line and the fix.
+Python's generators; `refuse_host_draws` then names the line and the fix. A draw those calls do not
+show -- a function imported by name (`from numpy.random import rand`), a generator made ahead (a
+module's `self.rng = np.random.default_rng(0)`, a module-level one) -- is found by the generator's
+state, which the trace changed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pickle
 import random
 import sys
 
@@ -21,6 +25,9 @@ import torch
 
 _NOT_DRAWS = {"seed", "get_state", "set_state", "getstate", "setstate", "get_bit_generator", "set_bit_generator"}
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, np))
+_GENERATORS = (np.random.Generator, np.random.RandomState, random.Random)
+_NUMPY_GLOBAL = "numpy's global generator (a function imported by name: from numpy.random import ...)"
+_PYTHON_GLOBAL = "Python's global generator (a function imported by name: from random import ...)"
 
 
 def _draws(module, instance) -> list[str]:
@@ -29,10 +36,32 @@ def _draws(module, instance) -> list[str]:
             and getattr(getattr(module, name), "__self__", None) is instance]
 
 
+def _reachable_generators(model: torch.nn.Module) -> dict[str, object]:
+    """The generators the model's code can draw from without a call `host_draws` patches, by where
+    they live: numpy's and Python's global ones, and those its modules or their source files hold."""
+    found = {_NUMPY_GLOBAL: np.random.mtrand._rand, _PYTHON_GLOBAL: random._inst}
+    for name, module in model.named_modules():
+        found.update({f"{type(model).__name__}{'.' + name if name else ''}.{k}": v
+                      for k, v in vars(module).items() if isinstance(v, _GENERATORS)})
+    for source in {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}:
+        found.update({f"{source.__name__}.{k}": v for k, v in vars(source).items() if isinstance(v, _GENERATORS)})
+    return found
+
+
+def _state(generator) -> bytes:
+    """The generator's state, as bytes to compare."""
+    if isinstance(generator, np.random.Generator):
+        return pickle.dumps(generator.bit_generator.state)
+    return pickle.dumps(generator.getstate() if isinstance(generator, random.Random) else generator.get_state())
+
+
 @contextlib.contextmanager
-def host_draws(found: list[str]):
+def host_draws(model: torch.nn.Module, found: list[str]):
     """Record in `found` each call of numpy's or Python's random functions made from outside torch
-    and numpy (as "numpy.random.rand at file:line")."""
+    and numpy (as "numpy.random.rand at file:line"), and each generator the model reaches whose
+    state changed otherwise (as "a draw from MyModel.noise.rng")."""
+    generators = _reachable_generators(model)
+    before = {where: _state(g) for where, g in generators.items()}
     patched = [(np.random, name, f"numpy.random.{name}") for name in _draws(np.random, np.random.mtrand._rand)]
     patched += [(np.random, "default_rng", "numpy.random.default_rng")]
     patched += [(random, name, f"random.{name}") for name in _draws(random, random._inst)]
@@ -54,6 +83,10 @@ def host_draws(found: list[str]):
     finally:
         for module, name, fn in originals:
             setattr(module, name, fn)
+    called = {label.split(".")[0] for label in found}  # "numpy", "random": calls seen, which moved a global state
+    seen = {_NUMPY_GLOBAL: "numpy" in called, _PYTHON_GLOBAL: "random" in called}
+    found += [f"a draw from {where}" for where, g in generators.items()
+              if _state(g) != before[where] and not seen.get(where)]
 
 
 def refuse_host_draws(model: torch.nn.Module, found: list[str]) -> None:
