@@ -359,13 +359,13 @@ def _stand_in_state(model: torch.nn.Module, args: tuple, kwargs: dict, param_dty
 
 @contextlib.contextmanager
 def _no_kv_cache(model: torch.nn.Module):
-    """Turn a Hugging Face model's `config.use_cache` off while tracing it."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "use_cache", False):
-        yield
-        return
-    config.use_cache = False
+    """Turn a Hugging Face model's `config.use_cache` off while tracing it, in every config its modules
+    hold (T5's decoder stack reads a copy of the model's)."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)}
+    for config in configs.values():
+        config.use_cache = False
     try:
         yield
     finally:
-        config.use_cache = True
+        for config in configs.values():
+            config.use_cache = True
