@@ -103,6 +103,13 @@ def _bloom():
     return model, (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
 
 
+def _plan_under(fraction: float, model, args: tuple, kwargs: dict | None = None):
+    """The tensor=2 plan of `model` under `fraction` of its one-rank plan's memory: weights must shard."""
+    one = autojigsaw.plan(model, args, {"tensor": 1}, device="cpu", example_kwargs=kwargs).memory_per_rank
+    return autojigsaw.plan(model, args, {"tensor": 2}, device="cpu", example_kwargs=kwargs,
+                           memory_budget=int(fraction * one))
+
+
 def _two_adam_steps(pmodel, ref, run) -> dict:
     """Largest differences of two Adam steps of `pmodel` beside `ref`; `run(model)` gives (what to compare, loss)."""
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pmodel, ref)]
@@ -142,10 +149,7 @@ def _bloom_trains(plan_json: str) -> dict:
 def test_bloom_with_its_fused_gelu_function_trains_like_one_device(ranks2):
     # Bloom applies its GeLUFunction in training; it was refused, so unmodified Bloom could not train
     model, (ids,) = _bloom()
-    kwargs = {"labels": ids}
-    whole = autojigsaw.plan(model, (ids,), {"tensor": 1}, device="cpu", example_kwargs=kwargs).memory_per_rank
-    plan = autojigsaw.plan(model, (ids,), {"tensor": 2}, device="cpu", example_kwargs=kwargs,
-                           memory_budget=int(0.6 * whole))
+    plan = _plan_under(0.6, model, (ids,), {"labels": ids})
     for r in ranks2.run(_bloom_trains, plan.to_json()):
         assert r["sharded"] > 0, plan.table()
         # Bloom's attention softmax computes in fp32 whatever the model's dtype: fp32 rounding, not fp64
@@ -204,8 +208,7 @@ def test_a_buffer_write_computes_what_eager_copy_does_forward_and_backward():
 def test_keys_written_into_a_buffer_train_like_one_device(ranks2):
     model = _KeysWrittenIntoABuffer().double()
     x = torch.randn(2, 8, 16, dtype=torch.float64)
-    whole = autojigsaw.plan(model, (x,), {"tensor": 1}, device="cpu").memory_per_rank
-    plan = autojigsaw.plan(model, (x,), {"tensor": 2}, device="cpu", memory_budget=int(0.8 * whole))
+    plan = _plan_under(0.8, model, (x,))
     for r in ranks2.run(_buffer_writes_train, plan.to_json()):
         assert r["sharded"] > 0, plan.table()
         assert r["output"] <= 1e-12 and r["grad"] <= 1e-12, r
@@ -398,9 +401,7 @@ def _speech_masks_train(plan_json: str) -> dict:
 def test_speech_masks_drawn_outside_and_passed_in_train_like_one_device(ranks2):
     # drawn inside, with numpy, the trace froze one mask (tests/test_errors.py); as inputs they change
     ref, x, mask = _speech_inputs()
-    one = autojigsaw.plan(ref, (x,), {"tensor": 1}, device="cpu", example_kwargs={"mask_time_indices": mask})
-    plan = autojigsaw.plan(ref, (x,), {"tensor": 2}, device="cpu", example_kwargs={"mask_time_indices": mask},
-                           memory_budget=int(0.6 * one.memory_per_rank))
+    plan = _plan_under(0.6, ref, (x,), {"mask_time_indices": mask})
     _assert_sharded_and_equal(ranks2.run(_speech_masks_train, plan.to_json()), plan)
 
 
@@ -427,8 +428,7 @@ def test_reentrant_gradient_checkpointing_trains_like_one_device(ranks2):
     # export kept the checkpoint's no_grad region and dropped its autograd.Function: the layers' outputs
     # were detached, and the loss raised "element 0 of tensors does not require grad"
     model, ids = _checkpointed_gpt2()
-    one = autojigsaw.plan(model, (ids,), {"tensor": 1}, device="cpu").memory_per_rank
-    plan = autojigsaw.plan(model, (ids,), {"tensor": 2}, device="cpu", memory_budget=int(0.6 * one))
+    plan = _plan_under(0.6, model, (ids,))
     _assert_sharded_and_equal(ranks2.run(_checkpointed_gpt2_trains, plan.to_json()), plan)
 
 
@@ -511,10 +511,7 @@ def test_t5_with_its_default_kv_cache_setting_trains_like_one_device(ranks2, mon
 
     monkeypatch.setattr(T5LayerNorm, "forward", _variance_in_fp64)
     model, ids = _t5()
-    kwargs = {"labels": ids}
-    one = autojigsaw.plan(model, (ids,), {"tensor": 1}, device="cpu", example_kwargs=kwargs).memory_per_rank
     # 0.8: at 0.6 the plan takes 53 s to prove optimal, at 0.7 41 s (docs/benchmarks.md, "Solve speed")
-    plan = autojigsaw.plan(model, (ids,), {"tensor": 2}, device="cpu", example_kwargs=kwargs,
-                           memory_budget=int(0.8 * one))
+    plan = _plan_under(0.8, model, (ids,), {"labels": ids})
     assert model.config.use_cache and model.decoder.config.use_cache  # as it was
     _assert_sharded_and_equal(ranks2.run(_t5_trains, plan.to_json()), plan)
