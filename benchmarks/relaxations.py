@@ -45,7 +45,7 @@ from benchmarks.solve_speed import TWO, TWO_BY_TWO, one_rank_memory, small  # no
 def under(name: str, mesh: dict[str, int], fraction: float):
     """A small case of solve_speed.py under `fraction` of its 1-rank memory (cpu spec, float64)."""
     budget = int(fraction * one_rank_memory(name))
-    model, inputs = small(name)
+    model, inputs, _ = small(name)
     return lambda: autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget)
 
 

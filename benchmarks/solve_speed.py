@@ -5,8 +5,8 @@ Run: python benchmarks/solve_speed.py [--time-limit S] [--only SUBSTRING]
 Cases: a 2-layer Mistral (hidden 64) on domain=2 x tensor=2 under 0.8, 0.7 and 0.6 of its
 1-rank plan's memory; the tests' Hugging Face models (tests/hf_models.py) under 0.7 and 0.6 on
 tensor=2 and on domain=2 x tensor=2 (float64 on the cpu spec, as tests/side_by_side.py plans
-them); the Llama-3-8B shape of benchmarks/plan_speed.py on domain=8 x tensor=8 (h100) with
-activation_checkpointing="auto"; the Jigsaw paper's WeatherMixer (benchmarks/families.py) at
+them); T5 with its labels on tensor=2 under 0.7 and 0.6; the Llama-3-8B shape of
+benchmarks/plan_speed.py on domain=8 x tensor=8 (h100) with activation_checkpointing="auto"; the Jigsaw paper's WeatherMixer (benchmarks/families.py) at
 dim 32144 on domain=2 x tensor=2 and dim 47616 on domain=2 x tensor=4, A100-40GB, bf16 with fp32
 masters and recomputation chosen, at the edge of its 36 GiB budget (the hardest plans the scaling
 benchmark makes; a minute or two each).
@@ -59,15 +59,17 @@ def mistral():
 
 
 def small(name: str):
-    """(model, inputs) of a small case in float64, in training mode."""
+    """(model, inputs, keyword inputs) of a small case in float64, in training mode (T5 with its labels)."""
     model, inputs = mistral() if name == "mistral" else hf_model(name)
     model.train()
-    return model.double(), tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    kwargs = {"labels": inputs[0]} if name == "t5" else {}
+    return model.double(), tuple(x.double() if x.is_floating_point() else x for x in inputs), kwargs
 
 
 CASES = ([("mistral", TWO_BY_TWO, f) for f in (0.8, 0.7, 0.6)]
          + [(name, mesh, f) for name in ("gpt2", "llama", "bert", "vit") for mesh in (TWO, TWO_BY_TWO)
-            for f in (0.7, 0.6)])
+            for f in (0.7, 0.6)]
+         + [("t5", TWO, f) for f in (0.7, 0.6)])
 
 
 class Recorder:
@@ -105,16 +107,16 @@ class Recorder:
 
 def one_rank_memory(name: str) -> float:
     """Bytes per rank of a small case's plan on one rank: what its budgets are fractions of."""
-    model, inputs = small(name)
-    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+    model, inputs, kwargs = small(name)
+    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu", example_kwargs=kwargs).memory_per_rank
 
 
 def run_small(name: str, mesh: dict[str, int], fraction: float) -> tuple:
     budget = int(fraction * one_rank_memory(name))
-    model, inputs = small(name)
+    model, inputs, kwargs = small(name)
     with Recorder() as rec:
         try:
-            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget)
+            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget, example_kwargs=kwargs)
             objective = f"{plan.step_time * 1e6:.3f} us"
         except ValueError as e:
             objective = f"infeasible ({str(e).splitlines()[0][:40]}...)"

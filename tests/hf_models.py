@@ -62,4 +62,8 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                               num_conv_pos_embedding_groups=2, vocab_size=12, feat_extract_norm="layer",
                               hidden_dropout=dropout)
         return tf.HubertForCTC(cfg), (torch.randn(1, 64),)
+    if name == "t5":  # an encoder-decoder with transformers' default use_cache=True; give it labels= as well
+        cfg = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                          dropout_rate=dropout, decoder_start_token_id=0)
+        return tf.T5ForConditionalGeneration(cfg), (ids % 64,)
     raise ValueError(f"unknown model {name!r}; known: {NAMES}")

@@ -472,13 +472,8 @@ def test_reentrant_checkpoints_give_the_gradients_eager_gives(ranks2):
 
 
 def _t5():
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-                      decoder_start_token_id=0)  # use_cache=True, transformers' default
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    return tf.T5ForConditionalGeneration(cfg).double().train(), ids
+    model, (ids,) = hf_model("t5")  # use_cache=True, transformers' default
+    return model.double().train(), ids
 
 
 def _variance_in_fp64(self, h):

@@ -77,15 +77,16 @@ def solve_lp(cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Resu
 
 def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, *,
               start: np.ndarray | None = None, stop: Callable[[np.ndarray, float], bool] | None = None,
-              cutoff: float = np.inf) -> Result:
+              cutoff: float = np.inf, polish: bool = False) -> Result:
     """The MILP over the same rows with `integer` columns integral, from a feasible solution:
-    `start` gives the values of the first len(start) columns, and HiGHS completes the others.
+    `start` gives the values of the first len(start) columns, and HiGHS completes the others; its
+    primal heuristics run only if the start is to be `polish`ed (else the branching finds what they would).
     `stop(x, objective)`, asked of every improving solution, ends the search at the first it accepts
     (returned `stopped`: not proven optimal). `cutoff`: only a solution below it is wanted; HiGHS
     prunes every node whose bound reaches it, and x is None when none is below."""
     # HiGHS presolve restarts cost more than they save here; the planner's column windows do the useful part
     options = {"presolve": "off", "mip_rel_gap": 1e-7}
-    if start is not None and len(start) and stop is None:
+    if start is not None and len(start) and stop is None and not polish:
         options.update(_PROVING)
     if np.isfinite(cutoff):
         options["objective_bound"] = float(cutoff)
@@ -106,7 +107,10 @@ def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: floa
 
 # A proof from a plan in hand: HiGHS' primal heuristics (RINS, RENS, feasibility jump, root reduced cost
 # run even at heuristic effort 0) look for plans its branching finds anyway. On the mixer's edge plans
-# they took a third of each proof (31.6 -> 20.5 s, 107 -> 66 s, 8.9 -> 3.3 s without them).
+# they took a third of each proof (31.6 -> 20.5 s, 107 -> 66 s, 8.9 -> 3.3 s without them). From a plan
+# a quick round accepted at once (T5 at 0.6 with its norm in fp64: 1.4 % above the optimum), RINS finds
+# the optimum at node 635 where the branching alone found it at node 5,127 (13 s against 53 s), so such
+# a start is polished (docs/benchmarks.md, stop 39; where it is already the optimum, that costs ~12 %).
 _PROVING = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
             "mip_heuristic_run_feasibility_jump": False, "mip_heuristic_run_root_reduced_cost": False}
 

@@ -37,6 +37,7 @@ Every branching starts from the fastest plan found so far that fits (a quick rou
 narrower window's) and keeps its columns in the window: HiGHS prunes with it from the first node.
 A quick round ends at the first improving plan that fits and lies within reach of the bound (its
 proof then branches once): proving the window's own optimum first only did the proof's work twice.
+The proof from such a plan runs HiGHS' primal heuristics to polish it; from a window's optimum, not.
 A solve may be asked only for a plan faster than `beat` (another recomputation variant's): HiGHS
 prunes at it, an LP bound above it ends the solve at once, and no window need reach past it.
 """
@@ -100,6 +101,7 @@ class _Model:
         # the model only grows, so (variables, rows) names it
         self._relaxed: tuple | None = None
         self._branched: dict[bytes, tuple | None] = {}
+        self._accepted_early: np.ndarray | None = None  # the plan a quick round took at once: the proof polishes it
 
     def add_vars(self, cost: np.ndarray, upper: float = 1.0, zero_one: bool = False, integer: bool = False) -> int:
         first = self.n
@@ -207,7 +209,7 @@ class _Model:
         exact = highs.solve_mip(cost[cols], matrix[:, cols], lo, hi, upper[cols], np.concatenate(self.integer)[cols],
                                 time_limit, start=None if start is None else start[cols[cols < len(start)]],
                                 stop=None if stop is None else (lambda x, objective: stop(whole(x), objective)),
-                                cutoff=self.cutoff)
+                                cutoff=self.cutoff, polish=start is not None and start is self._accepted_early)
         if exact.x is None:
             if exact.timed_out:
                 raise SolverTimeout(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
@@ -218,6 +220,8 @@ class _Model:
         if exact.timed_out:  # the time limit: keep the best plan found, and say how far off it may be
             self.gap = max(self.gap, exact.gap)
         found = (whole(exact.x), exact.objective, exact.stopped)
+        if exact.stopped:
+            self._accepted_early = found[0]
         if not exact.timed_out and not exact.stopped:
             self._branched[key] = found
         return found
