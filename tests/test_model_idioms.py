@@ -463,8 +463,9 @@ def _checkpointed_blocks_grads(x_needs_grad: bool, planned_needing_grad: bool) -
 
 def test_reentrant_checkpoints_give_the_gradients_eager_gives(ranks2):
     # eager gives the blocks none where no input of theirs needs one; a program captured for an input
-    # that needs none served a later one that does, and its blocks silently got no gradient
-    for x_needs_grad, planned_needing_grad in ((False, False), (True, True), (True, False)):
+    # that needed none served a later one that does, and its blocks silently got no gradient (and the
+    # other way round, gradients eager does not give)
+    for x_needs_grad, planned_needing_grad in ((False, False), (True, True), (True, False), (False, True)):
         for r in ranks2.run(_checkpointed_blocks_grads, x_needs_grad, planned_needing_grad):
             blocks = [r[f"{m}.{p}"] for m in "ab" for p in ("weight", "bias")]
             assert all(d <= 1e-14 for d in blocks) if x_needs_grad else blocks == [None] * 4, r

@@ -10,7 +10,7 @@ that no graph can return, and training never reads it.
 
 from .export import refuse_backward_hooks
 from .graph import Captured, at_sizes, capture
-from .shapes import ShapeRange, SymbolicSize, constant_keys, value_key
+from .shapes import ShapeRange, SymbolicSize, constant_keys, needs_grad, value_key
 
-__all__ = ["Captured", "ShapeRange", "SymbolicSize", "at_sizes", "capture", "constant_keys", "refuse_backward_hooks",
-           "value_key"]
+__all__ = ["Captured", "ShapeRange", "SymbolicSize", "at_sizes", "capture", "constant_keys", "needs_grad",
+           "refuse_backward_hooks", "value_key"]

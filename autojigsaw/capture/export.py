@@ -25,8 +25,9 @@ log = logging.getLogger("autojigsaw")
 
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype | None,
-            dynamic_shapes=None) -> torch.export.ExportedProgram:
-    """torch.export (non-strict) and decompositions; a ValueError naming the fix if export fails."""
+           dynamic_shapes=None) -> tuple[torch.export.ExportedProgram, list[str]]:
+    """torch.export (non-strict) and decompositions, and the reentrant checkpoints traced (the graph then
+    holds only for inputs that need a gradient where these did); a ValueError naming the fix if export fails."""
     # On failure torch.export prints the partial graph to stderr: kept for logging.DEBUG instead.
     torch_stderr = io.StringIO()
     applied: dict[type, tuple | None] = {}
@@ -34,8 +35,9 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     silent: list[str] = []
     written: list[tuple[str, str, str]] = []
     drawn: list[str] = []
+    checkpoints: list[str] = []
     try:
-        with (_no_kv_cache(model), reentrant_checkpoints_inlined(),
+        with (_no_kv_cache(model), reentrant_checkpoints_inlined(checkpoints),
               _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
               _attributes_written(model, written), host_draws(model, drawn), warnings.catch_warnings(),
@@ -54,7 +56,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     _refuse_silent_forward_hooks(silent)
     _refuse_attribute_writes(written)
     refuse_host_draws(model, drawn)
-    return ep
+    return ep, checkpoints
 
 
 def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> None:

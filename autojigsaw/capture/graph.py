@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from .copies import differentiable_copies
 from .eager_strides import record_eager_strides
 from .export import check_complex_scatter, check_dense, check_operand_dtypes, export
-from .shapes import ShapeRange, every_dim_auto, shape_range
+from .shapes import ShapeRange, every_dim_auto, needs_grad, shape_range
 
 # Nodes that only check metadata: they would fail on local shards and compute nothing.
 _DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
@@ -34,6 +34,9 @@ class Captured:
     out_spec: pytree.TreeSpec
     mutated_buffers: list[str] = field(default_factory=list)  # FQNs the first graph outputs are new values of
     shapes: ShapeRange | None = None  # a symbolic graph's input sizes (capture(dynamic=True)); None: concrete
+    # per tensor input, whether it needed a gradient, where the graph holds only for those (a reentrant
+    # checkpoint's region has a gradient only if an input of it needs one); None: the graph holds for any
+    needs_grad_inputs: tuple[bool, ...] | None = None
 
     @property
     def input_values(self) -> list:
@@ -61,7 +64,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     if dynamic:
         arguments = inspect.signature(model.forward).bind(*args, **kwargs).arguments  # as export pairs them
         auto = tuple(pytree.tree_map(every_dim_auto, value) for value in arguments.values())
-    ep = export(model, args, kwargs, param_dtype, dynamic_shapes=auto)
+    ep, checkpoints = export(model, args, kwargs, param_dtype, dynamic_shapes=auto)
     sig = ep.graph_signature
     written = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.USER_INPUT_MUTATION]
     if written:
@@ -93,6 +96,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     gm.recompile()
     mutated = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION]
     captured = Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated)
+    if checkpoints:
+        captured.needs_grad_inputs = needs_grad(args, kwargs)
     if dynamic:
         captured.shapes = shape_range(captured.input_values, args, kwargs, ep.range_constraints)
     else:

@@ -83,6 +83,11 @@ def constant_keys(flat: list) -> tuple:
     return tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor))
 
 
+def needs_grad(args: tuple, kwargs: dict) -> tuple[bool, ...]:
+    """Per tensor input, whether it needs a gradient."""
+    return tuple(x.requires_grad for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
+
+
 def value_key(x) -> tuple:
     """A tensor input's shape and dtype, or any other input's type and value: torch.export bakes a
     float, bool or string argument into the graph, so each value needs a graph of its own."""

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from ..capture import Captured, constant_keys, value_key
+from ..capture import Captured, constant_keys, needs_grad, value_key
 from ..ir import ORIGIN, GradKind
 from ..kernels.collectives import CollectiveError, shard_slice
 from ..mesh import MeshSpec, RankView
@@ -112,7 +112,8 @@ class ParallelModule(nn.Module):
     def _build(self, args: tuple, kwargs: dict) -> None:
         key = self._key(args, kwargs)
         serving = next((p for k, p in self._programs.items()
-                        if k[0::2] == key[0::2] and p.symbolic and p.symbolic.shapes.admits(args, kwargs)), None)
+                        if k[0] == key[0] and k[2] in (None, key[2]) and p.symbolic
+                        and p.symbolic.shapes.admits(args, kwargs)), None)
         if not self._programs:
             program = self._make(self._model, args, kwargs)
         elif serving is not None:
@@ -127,11 +128,11 @@ class ParallelModule(nn.Module):
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements)
         if dist.get_rank() == 0:
             log.info(program.plan.summary_line())
-        self._programs[key] = program
+        self._keep(key, program)
         # the model's own code may set attributes while export runs it (a rotary cache's length): the next
         # call, from that state, needs no program of its own
         self._state = module_state(self._model)
-        self._programs[(self._state, *key[1:])] = program
+        self._keep((self._state, *key[1:]), program)
         self._use(program)
         self._parameters.update(self._model._parameters)  # the model's own, now sharded
         self._buffers.update(self._model._buffers)
@@ -150,14 +151,23 @@ class ParallelModule(nn.Module):
         """The program cache key: what export bakes into the graph. The modules' state (train/eval
         mode, plain attributes such as dropout's p, hooks), the input shapes (not when the caller
         passes local shards: their global shape is the plan's, others are refused clearly), the
-        values of the inputs that are no tensors, and which tensor inputs need a gradient (a
-        reentrant checkpoint of inputs that need none is traced without one)."""
+        values of the inputs that are no tensors, and which tensor inputs need a gradient (for a
+        program only: `_find`)."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._local_inputs_given:
             call = ("local shards", constant_keys(flat))
         else:
             call = (str(spec), tuple(value_key(x) for x in flat))
-        return module_state(self._model), call, tuple(x.requires_grad for x in flat if isinstance(x, torch.Tensor))
+        return module_state(self._model), call, needs_grad(args, kwargs)
+
+    def _find(self, key: tuple) -> Program | None:
+        """The program for `key`: one that holds whichever inputs need a gradient, or one captured for
+        exactly these (where a reentrant checkpoint's region has a gradient only if its inputs need one)."""
+        return self._programs.get((*key[:2], None)) or self._programs.get(key)
+
+    def _keep(self, key: tuple, program: Program) -> None:
+        needs = program.captured.needs_grad_inputs
+        self._programs[(*key[:2], None if needs is None else key[2])] = program
 
     def __getattr__(self, name: str):
         """The model's own attributes read through (`pmodel.config`, `pmodel.temperature`), not its methods."""
@@ -206,11 +216,11 @@ class ParallelModule(nn.Module):
     def forward(self, *args, **kwargs):
         if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
             warnings.warn(_AUTOCAST, stacklevel=2)
-        key = self._key(args, kwargs)
-        if key not in self._programs:
+        program = self._find(self._key(args, kwargs))
+        if program is None:
             self.build(args, kwargs)
-        elif self._programs[key].run is not self._program:
-            self._use(self._programs[key])
+        elif program.run is not self._program:
+            self._use(program)
         self._calls += 1
         if checks_again(self._calls):
             check_same_values(values_to_agree(self._model, self._captured, args, kwargs, weights=False,
