@@ -97,7 +97,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     mutated = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION]
     captured = Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated)
     if checkpoints:
-        captured.needs_grad_inputs = needs_grad(args, kwargs)
+        captured.needs_grad_inputs = needs_grad(pytree.tree_leaves((args, kwargs)))
     if dynamic:
         captured.shapes = shape_range(captured.input_values, args, kwargs, ep.range_constraints)
     else:

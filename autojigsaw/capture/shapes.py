@@ -83,9 +83,9 @@ def constant_keys(flat: list) -> tuple:
     return tuple(value_key(x) for x in flat if not isinstance(x, torch.Tensor))
 
 
-def needs_grad(args: tuple, kwargs: dict) -> tuple[bool, ...]:
+def needs_grad(flat: list) -> tuple[bool, ...]:
     """Per tensor input, whether it needs a gradient."""
-    return tuple(x.requires_grad for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
+    return tuple(x.requires_grad for x in flat if isinstance(x, torch.Tensor))
 
 
 def value_key(x) -> tuple:

@@ -158,7 +158,7 @@ class ParallelModule(nn.Module):
             call = ("local shards", constant_keys(flat))
         else:
             call = (str(spec), tuple(value_key(x) for x in flat))
-        return module_state(self._model), call, needs_grad(args, kwargs)
+        return module_state(self._model), call, needs_grad(flat)
 
     def _find(self, key: tuple) -> Program | None:
         """The program for `key`: one that holds whichever inputs need a gradient, or one captured for
