@@ -535,6 +535,16 @@ class _HostNoise(torch.nn.Module):
             keep = torch.tensor(self.rng.random(x.shape[:-1]) > 0.5)
         elif self.source == "a module-level generator":
             keep = torch.tensor(_HOST_RNG.random() > 0.5)
+        elif self.source == "numpy, made unseeded":
+            keep = torch.tensor(np.random.RandomState().rand(*x.shape[:-1]) > 0.5)
+        elif self.source == "python, made unseeded":
+            keep = torch.tensor(random.Random().random() > 0.5)
+        elif self.source == "numpy's default_rng, made unseeded":
+            keep = torch.tensor(np.random.default_rng().random(x.shape[:-1]) > 0.5)
+        elif self.source == "made seeded":  # the same draws at every step in eager too: the trace's constant is right
+            seeded = np.random.RandomState(0), random.Random(1), np.random.default_rng(2)
+            assert isinstance(self.rng, np.random.Generator) and isinstance(_HOST_RNG, random.Random)
+            keep = torch.tensor((seeded[0].rand() + seeded[1].random() + seeded[2].random()) > 0.5)
         else:
             keep = torch.rand(x.shape[:-1]) > 0.5
         return self.lin(x) * keep.unsqueeze(-1)
@@ -548,13 +558,21 @@ class _HostNoise(torch.nn.Module):
     ("python, imported", r"a draw from Python's global generator \(a function imported by name: from random import "
                          r"\.\.\.\)"),
     ("a generator made ahead", r"a draw from _HostNoise\.rng"),
-    ("a module-level generator", r"a draw from (tests\.)?test_errors\._HOST_RNG")])
+    ("a module-level generator", r"a draw from (tests\.)?test_errors\._HOST_RNG"),
+    # made in the forward without a seed: eager draws from fresh entropy at every step
+    ("numpy, made unseeded", r"numpy\.random\.RandomState\(\) without a seed at .*test_errors.py:\d+"),
+    ("python, made unseeded", r"random\.Random\(\) without a seed at .*test_errors.py:\d+"),
+    ("numpy's default_rng, made unseeded", r"numpy\.random\.default_rng\(\) without a seed at .*test_errors.py:\d+")])
 def test_random_draws_outside_torch_are_refused(source, call):
     # the trace kept the one draw made while tracing as a constant: every step reused it, silently
     with pytest.raises(ValueError, match=rf"_HostNoise draws random numbers outside torch in its forward: "
                                          rf"{call}\. .*Draw with torch instead"):
         autojigsaw.plan(_HostNoise(source), (X,), {"tensor": 2}, device="cpu")
     autojigsaw.plan(_HostNoise("torch"), (X,), {"tensor": 2}, device="cpu")  # a graph op, replayed each step
+
+
+def test_generators_the_forward_seeds_itself_are_traced():
+    autojigsaw.plan(_HostNoise("made seeded"), (X,), {"tensor": 2}, device="cpu")
 
 
 def test_speech_models_say_how_to_train_with_layer_drop_and_spec_augment():

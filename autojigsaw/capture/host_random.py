@@ -8,7 +8,8 @@ each step. Tracing under `host_draws` records each call the model's code makes t
 Python's generators; `refuse_host_draws` then names the line and the fix. A draw those calls do not
 show -- a function imported by name (`from numpy.random import rand`), a generator made ahead (a
 module's `self.rng = np.random.default_rng(0)`, a module-level one) -- is found by the generator's
-state, which the trace changed.
+state, which the trace changed. A generator the forward makes itself draws alike at every step when
+it is seeded (the trace's constant is right), and from fresh entropy when not: that is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import pickle
 import random
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -34,6 +36,25 @@ def _draws(module, instance) -> list[str]:
     """The names of `module`'s functions that draw from its global generator `instance`."""
     return [name for name in dir(module) if not name.startswith("_") and name not in _NOT_DRAWS
             and getattr(getattr(module, name), "__self__", None) is instance]
+
+
+def _unseeded(cls: type, label: str, record: Callable[[str], None]) -> type:
+    """`cls` for the forward's calls: each instance made without a seed is recorded as `label`, and
+    isinstance sees instances made before as its own."""
+
+    class Meta(type(cls)):
+        def __instancecheck__(self, instance):
+            return isinstance(instance, cls)
+
+        def __subclasscheck__(self, subclass):
+            return issubclass(subclass, cls)
+
+    def __init__(self, seed=None, *args, **kwargs):
+        if seed is None:
+            record(label, sys._getframe(1))
+        cls.__init__(self, seed, *args, **kwargs)
+
+    return Meta(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
 
 
 def _reachable_generators(model: torch.nn.Module) -> dict[str, object]:
@@ -63,21 +84,33 @@ def host_draws(model: torch.nn.Module, found: list[str]):
     generators = _reachable_generators(model)
     before = {where: _state(g) for where, g in generators.items()}
     patched = [(np.random, name, f"numpy.random.{name}") for name in _draws(np.random, np.random.mtrand._rand)]
-    patched += [(np.random, "default_rng", "numpy.random.default_rng")]
     patched += [(random, name, f"random.{name}") for name in _draws(random, random._inst)]
     originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    originals += [(np.random, name, getattr(np.random, name)) for name in ("default_rng", "RandomState")]
+    originals += [(random, "Random", random.Random)]
+
+    def record(label, caller):
+        if not caller.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            found.append(f"{label} at {caller.f_code.co_filename}:{caller.f_lineno}")
 
     def recorded(fn, label):
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            caller = sys._getframe(1)
-            if not caller.f_code.co_filename.startswith(_LIBRARY_DIRS):
-                found.append(f"{label} at {caller.f_code.co_filename}:{caller.f_lineno}")
+            record(label, sys._getframe(1))
             return fn(*args, **kwargs)
         return call
 
+    @functools.wraps(np.random.default_rng)
+    def default_rng(seed=None):
+        if seed is None:
+            record("numpy.random.default_rng() without a seed", sys._getframe(1))
+        return default_rng.__wrapped__(seed)
+
     for (module, name, label), (_, _, fn) in zip(patched, originals):
         setattr(module, name, recorded(fn, label))
+    np.random.default_rng = default_rng
+    np.random.RandomState = _unseeded(np.random.RandomState, "numpy.random.RandomState() without a seed", record)
+    random.Random = _unseeded(random.Random, "random.Random() without a seed", record)
     try:
         yield found
     finally:
