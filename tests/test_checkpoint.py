@@ -8,6 +8,8 @@ checkpoint of the single-device model must load shard by shard into a parallel o
 with plain load_state_dict(torch.load(...)).
 """
 
+import re
+
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
@@ -134,6 +136,10 @@ def _whole_for_one_device(path: str, plan: str, mesh_shape: tuple, axes: tuple) 
     """One step, then torch's whole state dict saved as Hugging Face does (rank 0) and read back."""
     pmodel, opt, inputs = _parallel(mesh_shape, axes, plan, meta=False)
     _step(pmodel, opt, inputs)
+    try:
+        pmodel.generate(inputs[0], max_new_tokens=4)
+    except AttributeError as e:
+        refused = str(e)
     whole = get_model_state_dict(pmodel, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     trained = _full(pmodel)
     if torch.distributed.get_rank() != 0:
@@ -141,10 +147,17 @@ def _whole_for_one_device(path: str, plan: str, mesh_shape: tuple, axes: tuple) 
     model, _ = build(NAME)
     model.save_pretrained(path, state_dict=whole)  # the model's own parameters are DTensors: not these
     back = type(model).from_pretrained(path, torch_dtype=torch.float64)
-    return {"trained": trained, "read back": {n: p.detach().numpy() for n, p in back.named_parameters()}}
+    return {"trained": trained, "read back": {n: p.detach().numpy() for n, p in back.named_parameters()},
+            "generate refused": refused, "generated": back.generate(inputs[0], max_new_tokens=4, do_sample=False).numpy()}
 
 
 def test_whole_state_dict_saves_for_one_device(ranks2, tmp_path):
     # model.save_pretrained(path) on the parallelized model fails inside torch ("invalid python storage")
     r = ranks2.run(_whole_for_one_device, str(tmp_path / "whole"), plan_json(NAME, {"tensor": 2}), (2,), ("tensor",))[0]
     _assert_equal(r["read back"], r["trained"])
+    # pmodel.generate said only "'ParallelModule' object has no attribute 'generate'": now what to do instead
+    assert re.fullmatch(r"GPT2LMHeadModel\.generate is a method of the model: a ParallelModule runs only its forward "
+                        r".*get_model_state_dict\(pmodel, options=StateDictOptions\(full_state_dict=True\)\), then "
+                        r"model\.load_state_dict\(full\) and call model\.generate\(\.\.\.\) there.*", r["generate refused"])
+    ref, inputs = _reference(1)
+    np.testing.assert_array_equal(r["generated"], ref.generate(inputs[0], max_new_tokens=4, do_sample=False).numpy())

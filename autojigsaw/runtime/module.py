@@ -61,6 +61,16 @@ _AUTOCAST = ("autojigsaw: a parallelized module called under torch.autocast runs
              "torch.bfloat16, reduce_dtype=torch.float32) to parallelize and call it without autocast")
 
 
+def _not_a_method(model: str, name: str) -> str:
+    """Why a ParallelModule does not run `model.name(...)`, and what to do instead."""
+    return (f"{model}.{name} is a method of the model: a ParallelModule runs only its forward (call pmodel(...)), "
+            "whose weights are sharded. To generate, save or evaluate with the model's own methods, gather the "
+            "weights into an unsharded copy: full = torch.distributed.checkpoint.state_dict.get_model_state_dict("
+            "pmodel, options=StateDictOptions(full_state_dict=True)), then model.load_state_dict(full) and call "
+            f"model.{name}(...) there; a method that changes the model (gradient_checkpointing_enable, "
+            "resize_token_embeddings) goes before parallelize")
+
+
 class ParallelModule(nn.Module):
     """A model sharded over a DeviceMesh by a Plan; call it like the original model.
 
@@ -170,11 +180,14 @@ class ParallelModule(nn.Module):
         self._programs[(*key[:2], None if needs is None else key[2])] = program
 
     def __getattr__(self, name: str):
-        """The model's own attributes read through (`pmodel.config`, `pmodel.temperature`), not its methods."""
+        """The model's own attributes read through (`pmodel.config`, `pmodel.temperature`), not its methods:
+        those would run the model on its sharded weights outside the plan, so they say what to do."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             model = self.__dict__.get("_model")
+            if model is not None and callable(getattr(type(model), name, None)):
+                raise AttributeError(_not_a_method(type(model).__name__, name)) from None
             if model is None or name not in model.__dict__:
                 raise
             return model.__dict__[name]
