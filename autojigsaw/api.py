@@ -388,14 +388,14 @@ def with_traffic(plan: Plan, captured: Captured) -> Plan:
     """The plan with exact bytes per node, read off the graph the plan rewrites into."""
     rank = RankView.planning(plan.mesh)
     gm = rewrite(captured, plan, rank, training=plan.training)
-    traffic = traffic_by_origin(gm, rank, set(captured.params), plan.training)
+    traffic = traffic_by_origin(gm, rank, captured.trained_params, plan.training)
     nodes = tuple(replace(n, comm_bytes=traffic.get(n.name, 0)) for n in plan.nodes)
     return replace(plan, nodes=nodes, comm_bytes=sum(traffic.values()))
 
 
 def _problem(captured: Captured, ctx: CostContext, tie_layers: bool | None):
     """The costs of every strategy of the annotated graph; parameters and buffers live throughout."""
-    grad = grads_by_name(captured.gm, set(captured.params))
+    grad = grads_by_name(captured.gm, captured.trained_params)
     return build_problem(captured.gm, ctx, captured.params, grad, tie_layers=tie_layers,
                          persistent=set(captured.params) | set(captured.buffers))
 

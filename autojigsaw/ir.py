@@ -98,19 +98,26 @@ def output_values(node: Node) -> list[torch.Tensor | None]:
 
 
 def needs_grad(gm: GraphModule, sources: set[str], value_key: str = GLOBAL) -> dict[Node, bool]:
-    """Nodes whose outputs receive a gradient: of a differentiable dtype and downstream of a source.
+    """Nodes whose outputs receive a gradient: of a differentiable dtype, downstream of a source, and
+    upstream of an output along such nodes (a detach -- a no_grad region's output -- passes none).
 
     `value_key`: the meta entry holding each node's value (the captured graph's is "val").
     """
     out: dict[Node, bool] = {}
-    for node in gm.graph.nodes:
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
         if node.op == "placeholder":
             out[node] = node.name in sources
             continue
         vals = node.meta.get(value_key)
         vals = vals if isinstance(vals, (tuple, list)) else [vals]
-        out[node] = any(value_carries_grad(v) for v in vals) and any(out.get(i, False) for i in node.all_input_nodes)
-    return out
+        out[node] = (node.target is not torch.ops.aten.detach.default and any(value_carries_grad(v) for v in vals)
+                     and any(out.get(i, False) for i in node.all_input_nodes))
+    reaches_output = {n for n in nodes if n.op == "output"}
+    for node in reversed(nodes):
+        if out[node] and any(u in reaches_output for u in node.users):
+            reaches_output.add(node)
+    return {node: g and (node in reaches_output or node.op == "output") for node, g in out.items()}
 
 
 def grads_by_name(gm: GraphModule, sources: set[str]) -> dict[str, bool]:

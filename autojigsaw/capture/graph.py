@@ -45,6 +45,11 @@ class Captured:
         return [nodes[name].meta.get("val") for name in self.inputs]
 
     @property
+    def trained_params(self) -> set[str]:
+        """Placeholders of the parameters that require a gradient: a frozen one gets none, nor optimizer state."""
+        return {n.name for n in self.gm.graph.nodes if n.name in self.params and n.meta["val"].requires_grad}
+
+    @property
     def input_shapes(self) -> list[tuple[int, ...] | None]:
         return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in self.input_values]
 

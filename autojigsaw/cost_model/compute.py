@@ -165,6 +165,12 @@ def memory_time(nbytes, device: DeviceSpec, kind: str = "memory"):
     return (nbytes + e.half) / (e.ceiling * device.memory_bandwidth)
 
 
-def backward_factor(op) -> float:
-    """Backward time as a multiple of forward time."""
-    return op_kind(op).backward
+def backward_factor(op, operand_grads: tuple[bool, ...] | None = None) -> float:
+    """Backward time as a multiple of forward time. `operand_grads`: which tensor inputs need a
+    gradient (None: all); a matmul computes one product per operand that does (a frozen weight's
+    matmul in LoRA fine-tuning computes only its input's gradient, the first layer's only its weight's)."""
+    kind = op_kind(op)
+    if kind.name != "matmul" or operand_grads is None:
+        return kind.backward
+    operands = (1, 2) if op in (aten.addmm.default, aten.baddbmm.default) else (0, 1)
+    return kind.backward * sum(operand_grads[i] for i in operands if i < len(operand_grads)) / len(operands)

@@ -26,7 +26,7 @@ from ..mesh import MeshSpec
 from ..placements import Placements, local_shape
 from ..training import Regime, data_axes
 from .comm import collective_time
-from .compute import kind_name, memory_time, op_kind, roofline_time
+from .compute import backward_factor, kind_name, memory_time, op_kind, roofline_time
 from .devices import DeviceSpec
 from .liveness import ParamMemory
 from .memory import OPTIMIZERS, Optimizer, is_view
@@ -58,19 +58,19 @@ class CostContext:
         return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
                               fsdp_ranks=self.mesh.sizes[axis] if axis is not None else 1)
 
-    def fsdp_comm(self, nbytes, itemsize: int):
+    def fsdp_comm(self, nbytes, itemsize: int, trained: bool = True):
         """(seconds, bytes sent) of FSDP's traffic for a parameter of `nbytes` local compute bytes:
-        gathered for forward and again for backward, its gradient reduce-scattered."""
+        gathered for forward and again for backward, its gradient reduce-scattered if it is `trained`."""
         axis = self.fsdp_axis
         if axis is None or not self.training:
             return 0.0, 0
         n, link = self.mesh.sizes[axis], self.link(axis)
-        grad_bytes = nbytes * self.regime.precision.reduce_itemsize(itemsize) / itemsize
+        grad_bytes = nbytes * self.regime.precision.reduce_itemsize(itemsize) / itemsize if trained else 0.0
 
         def one(kind, b):
             return collective_time(kind, b, n, link.latency_s, link.bandwidth, tree=self.device.tree_all_reduce)
 
-        time = 2 * one("all_gather", nbytes / n) + one("reduce_scatter", grad_bytes)
+        time = 2 * one("all_gather", nbytes / n) + (one("reduce_scatter", grad_bytes) if trained else 0.0)
         sent = 2 * nbytes * (n - 1) / n + grad_bytes * (n - 1) / n
         return time, sent
 
@@ -104,8 +104,10 @@ class NodeCosts:
     kernel_saved: np.ndarray | None = None
 
 
-def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: bool, is_param: bool) -> NodeCosts:
-    """The time of every strategy of `node` on the largest rank, one step."""
+def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: bool, is_param: bool,
+               operand_grads: tuple[bool, ...] | None = None) -> NodeCosts:
+    """The time of every strategy of `node` on the largest rank, one step. `grad`: its output gets a
+    gradient (a parameter's: it is trained); `operand_grads`: which tensor inputs get one (None: all)."""
     zeros = np.zeros(len(strategies))
     if node.op == "placeholder":
         val = node.meta.get("val")
@@ -115,11 +117,11 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         local = _local(tuple(val.shape), tuple(s.outputs[0] for s in strategies), sizes)
         nbytes = np.prod(local, axis=1) * val.dtype.itemsize
         masters = nbytes * ctx.param_memory(val.dtype.itemsize).state  # what the optimizer step reads
-        step = memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer")
-        return NodeCosts(step + ctx.fsdp_comm(nbytes, val.dtype.itemsize)[0])
+        step = memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer") if grad else 0 * nbytes
+        return NodeCosts(step + ctx.fsdp_comm(nbytes, val.dtype.itemsize, trained=grad)[0])
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)
-    time = _default_times(node, tuple(strategies), ctx, grad)
+    time = _default_times(node, tuple(strategies), ctx, grad, operand_grads)
     hooked = [registry.kernel_cost(node, s, ctx, grad) for s in strategies]
     if not any(h is not None for h in hooked):
         return NodeCosts(time)
@@ -128,7 +130,8 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
     return NodeCosts(time, saved)
 
 
-def _default_times(node: Node, strategies: tuple[Strategy, ...], ctx: CostContext, grad: bool) -> np.ndarray:
+def _default_times(node: Node, strategies: tuple[Strategy, ...], ctx: CostContext, grad: bool,
+                   operand_grads: tuple[bool, ...] | None) -> np.ndarray:
     sizes = ctx.mesh.sizes
     in_shapes, global_in, nbytes = [], [], 0.0
     for j, (src, i) in enumerate(tensor_inputs(node)):
@@ -152,7 +155,7 @@ def _default_times(node: Node, strategies: tuple[Strategy, ...], ctx: CostContex
     t = roofline_time(flops, np.broadcast_to(np.asarray(nbytes, dtype=float), (n,)), dtype, ctx.device,
                       kind_name(node.target, global_in, global_out))
     if ctx.training and grad:
-        t = t * (1.0 + kind.backward)
+        t = t * (1.0 + backward_factor(node.target, operand_grads))
     return np.asarray(t, dtype=float)
 
 

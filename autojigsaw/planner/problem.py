@@ -94,9 +94,10 @@ def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], gra
     times, kernel_saved = [], {}
     cache: dict[tuple, object] = {}
     for i, node in enumerate(nodes):
-        key = (id(strategies[i]), str(node.target), _shapes(node), grad[node.name], node.name in params)
+        operand_grads = tuple(grad.get(src.name, False) for src, _ in tensor_inputs(node))
+        key = (id(strategies[i]), str(node.target), _shapes(node), grad[node.name], node.name in params, operand_grads)
         if key not in cache:
-            cache[key] = node_costs(node, strategies[i], ctx, grad[node.name], node.name in params)
+            cache[key] = node_costs(node, strategies[i], ctx, grad[node.name], node.name in params, operand_grads)
         costs = cache[key]
         times.append(costs.time)
         if costs.kernel_saved is not None:
