@@ -10,6 +10,7 @@ call it with their own model builders: `builder` must be a module-level function
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,24 @@ class StepMeasurement:
     def memory_error(self) -> float:
         """(predicted - measured) / measured."""
         return (self.predicted_peak - self.peak) / self.peak
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def frozen_weights_tracked():
+    """Let MemTracker track a model with frozen weights: it hooks every parameter's gradient, and torch
+    2.13 refuses a hook on a tensor that needs none (there is no gradient to see)."""
+    hook, post = torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook
+    torch.Tensor.register_hook = lambda t, h: hook(t, h) if t.requires_grad else _NoHook()
+    torch.Tensor.register_post_accumulate_grad_hook = lambda t, h: post(t, h) if t.requires_grad else _NoHook()
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook = hook, post
 
 
 def small_model(name: str, shape: tuple, dtype: torch.dtype = torch.float32, **kwargs):
@@ -70,9 +89,10 @@ def measure_step(builder: Callable, args: tuple, mesh_shape: tuple, axes: tuple,
 
     step()
     tracker = MemTracker()
-    tracker.track_external(pmodel, opt)
-    with count_comm() as log, tracker:
-        step()
+    with frozen_weights_tracked():
+        tracker.track_external(pmodel, opt)
+        with count_comm() as log, tracker:
+            step()
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     total = next(v for k, v in peak.items() if str(getattr(k, "value", k)) == "Total")
     return StepMeasurement(pmodel.plan.comm_bytes, log.total_bytes, pmodel.plan.memory_per_rank, int(total),
