@@ -144,7 +144,12 @@ def _lora_run(plan_json: str) -> dict:
             opt.step()
             opt.zero_grad()
     worst = max([worst] + [max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters())])
-    return {"worst": worst, "sharded": sum(not p.placements[0].is_replicate() for p in pmodel.parameters())}
+    for model in (pmodel, ref):  # unfrozen after planning: priced as frozen, and still its gradient
+        model.requires_grad_(True)
+        model(x).backward()
+    unfrozen = max(max_diff(p.grad.full_tensor(), q.grad) for p, q in zip(pmodel.parameters(), ref.parameters()))
+    return {"worst": worst, "unfrozen": unfrozen,
+            "sharded": sum(not p.placements[0].is_replicate() for p in pmodel.parameters())}
 
 
 def test_lora_planned_with_frozen_weights_trains_like_one_device(ranks2):
@@ -154,7 +159,7 @@ def test_lora_planned_with_frozen_weights_trains_like_one_device(ranks2):
     plan = autojigsaw.plan(model, (X.double(),), {"tensor": 2}, device="cpu", memory_budget=int(0.6 * whole))
     for r in ranks2.run(_lora_run, plan.to_json()):
         assert r["sharded"] > 0, r
-        assert r["worst"] <= 1e-12, r
+        assert r["worst"] <= 1e-12 and r["unfrozen"] <= 1e-12, r
 
 
 def _lora():
