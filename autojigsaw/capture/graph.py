@@ -37,6 +37,7 @@ class Captured:
     # per tensor input, whether it needed a gradient, where the graph holds only for those (a reentrant
     # checkpoint's region has a gradient only if an input of it needs one); None: the graph holds for any
     needs_grad_inputs: tuple[bool, ...] | None = None
+    frozen_params: frozenset[str] = frozenset()  # placeholders of the parameters that required no gradient
 
     @property
     def input_values(self) -> list:
@@ -47,7 +48,7 @@ class Captured:
     @property
     def trained_params(self) -> set[str]:
         """Placeholders of the parameters that require a gradient: a frozen one gets none, nor optimizer state."""
-        return {n.name for n in self.gm.graph.nodes if n.name in self.params and n.meta["val"].requires_grad}
+        return set(self.params) - self.frozen_params
 
     @property
     def input_shapes(self) -> list[tuple[int, ...] | None]:
@@ -100,7 +101,9 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     gm.graph.lint()
     gm.recompile()
     mutated = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION]
-    captured = Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated)
+    frozen = frozenset(ph for ph, fqn in params.items() if not model.get_parameter(fqn).requires_grad)
+    captured = Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated,
+                        frozen_params=frozen)
     if checkpoints:
         captured.needs_grad_inputs = needs_grad(pytree.tree_leaves((args, kwargs)))
     if dynamic:
@@ -158,7 +161,8 @@ def at_sizes(symbolic: Captured, args: tuple, kwargs: dict | None = None) -> Cap
     graph.lint()
     gm.recompile()
     record_eager_strides(gm, _strides(inputs, args, kwargs or {}))
-    return replace(symbolic, gm=gm, params=params, buffers=buffers, constants=constants, inputs=inputs, shapes=None)
+    return replace(symbolic, gm=gm, params=params, buffers=buffers, constants=constants, inputs=inputs, shapes=None,
+                   frozen_params=frozenset(renamed[k] for k in symbolic.frozen_params))
 
 
 def _strides(inputs: list[str], args: tuple, kwargs: dict) -> dict[str, tuple[int, ...]]:
