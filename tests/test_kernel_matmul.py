@@ -169,6 +169,43 @@ def _summa_case(shape):
     return fails
 
 
+def _frozen_weight_case():
+    """Each kernel with a weight that needs no gradient (LoRA's base): dX as F.linear's, and no
+    activation kept (it serves only dW), as F.linear keeps none."""
+    n, r, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD.group_name
+    axis = MeshAxis("a", n, group, r)
+    summa_axes, _ = _summa_axes((1, n))
+    fails = []
+    torch.manual_seed(0)
+    x, w = _randn(B, T, IN * n, dtype=torch.float64), torch.randn(OUT, IN * n, dtype=torch.float64)
+    kernels = {
+        "all_gather_linear": (lambda xl: all_gather_linear(xl, w, dim=1, sizes=chunk_sizes(T, n), axis=axis, grad="R"),
+                              lambda t: _chunk(t, 1, chunk_sizes(T, n), r), lambda t: t),
+        "linear_reduce_scatter": (lambda xl: linear_reduce_scatter(xl, _chunk(w, 1, [IN] * n, r), dim=1,
+                                                                   sizes=chunk_sizes(T, n), op="sum", axis=axis),
+                                  lambda t: _chunk(t, 2, [IN] * n, r), lambda t: _chunk(t, 1, chunk_sizes(T, n), r)),
+        "summa_linear": (lambda xl: summa_linear(xl, _chunk(w, 1, [IN] * n, r), weight_sizes=(OUT,),
+                                                 out_sizes=chunk_sizes(OUT, n), **summa_axes),
+                         lambda t: _chunk(t, 2, [IN] * n, r), lambda t: _chunk(t, 2, chunk_sizes(OUT, n), r)),
+    }
+    for name, (kernel, x_shard, y_shard) in kernels.items():
+        g = torch.randn(B, T, OUT, dtype=torch.float64)
+        y_ref, (dx,) = _reference(lambda a: F.linear(a, w), x, grad=g)
+        xl, kept = _leaf(x_shard(x)), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.shape) or t, lambda t: t):
+            y = kernel(xl)
+        y.backward(y_shard(g))
+        _check(fails, f"y {name}", y, y_shard(y_ref))
+        _check(fails, f"dx {name}", xl.grad, x_shard(dx))
+        if any(len(shape) == 3 for shape in kept):  # only the weight, 2-D, is needed
+            fails.append(f"{name} keeps an activation for a weight that needs no gradient: {kept}")
+    return fails
+
+
+def test_a_frozen_weight_keeps_no_activation(ranks2):
+    assert ranks2.run(_frozen_weight_case) == [[]] * 2
+
+
 def test_summa_linear_2x2(ranks4):
     assert ranks4.run(_summa_case, (2, 2)) == [[]] * 4
 

@@ -151,7 +151,7 @@ class _AllGatherLinear(torch.autograd.Function):
             outs[src] = F.linear(chunk, weight, bias)
 
         _ring_gather(x, dim, sizes, axis, consume)
-        ctx.save_for_backward(weight, *chunks)
+        ctx.save_for_backward(weight, *(chunks if ctx.needs_input_grad[1] else ()))  # x only for dW
         ctx.args = (dim, sizes, axis, grad, bias is not None)
         return torch.cat(outs, dim)
 
@@ -205,7 +205,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, bias, dim, sizes, op, axis):
         xs = torch.split(x, list(sizes), dim)
         y = _ring_reduce_scatter(lambda dst: F.linear(xs[dst], weight, bias), dim, sizes, axis)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)  # x only for dW
         ctx.args = (dim, sizes, op, axis, bias is not None)
         return y / len(sizes) if op == "avg" else y
 
@@ -215,7 +215,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dim, sizes, op, axis, has_bias = ctx.args
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        xs = torch.split(x, list(sizes), dim)
+        xs = torch.split(x, list(sizes), dim) if need_w else None
         dx, acc = [None] * len(sizes), {"w": None, "b": None}
 
         def consume(src, chunk):  # chunk: rank src's slice of the full output gradient
@@ -290,7 +290,7 @@ class _SummaLinear(torch.autograd.Function):
         y = _ring_reduce_scatter(
             lambda dst: _columns(x, w_full, own, wo[domain.coord], yo[dst], yo[dst + 1]),
             last, y_sizes, tensor)
-        ctx.save_for_backward(x, w_full)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w_full)  # x only for dW
         ctx.args = (w_sizes, y_sizes, domain, tensor)
         ctx.has_bias = bias is not None
         return y + bias if bias is not None else y
@@ -301,7 +301,7 @@ class _SummaLinear(torch.autograd.Function):
         x, w_full = ctx.saved_tensors
         w_sizes, y_sizes, domain, tensor = ctx.args
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        yo, wo, last = _offsets(y_sizes), _offsets(w_sizes), x.ndim - 1
+        yo, wo, last = _offsets(y_sizes), _offsets(w_sizes), g.ndim - 1
         cols, dx = [None] * len(y_sizes), [None]
 
         def consume(src, chunk):  # columns of the full output gradient, dX accumulated meanwhile
