@@ -39,12 +39,13 @@ class _Alone(torch.nn.Module):
 
 
 class _Distilled(_Alone):
-    """A student matched to a teacher that is not trained, as people write it."""
+    """A student matched to a teacher that is not trained, as people write it: its weights frozen, or
+    left requiring a gradient that a no_grad block or a detach keeps from them (an EMA target)."""
 
     def __init__(self, teacher: str):
         super().__init__()
         self.teacher, self.how = _mlp(), teacher
-        if teacher != "trained too":
+        if teacher == "frozen":
             self.teacher.requires_grad_(False)
 
     def forward(self, x):

@@ -21,6 +21,7 @@ import pickle
 import random
 import sys
 from collections.abc import Callable
+from types import FrameType
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ def _draws(module, instance) -> list[str]:
             and getattr(getattr(module, name), "__self__", None) is instance]
 
 
-def _unseeded(cls: type, label: str, record: Callable[[str], None]) -> type:
+def _unseeded(cls: type, label: str, record: Callable[[str, FrameType], None]) -> type:
     """`cls` for the forward's calls: each instance made without a seed is recorded as `label`, and
     isinstance sees instances made before as its own."""
 
