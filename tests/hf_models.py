@@ -66,4 +66,9 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
         cfg = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                           dropout_rate=dropout, decoder_start_token_id=0)
         return tf.T5ForConditionalGeneration(cfg), (ids % 64,)
+    if name == "swin":  # shifted windows: torch.roll over the token grid, a relative position bias gathered by index
+        cfg = tf.SwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
+                            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, drop_path_rate=dropout,
+                            num_labels=5)
+        return tf.SwinForImageClassification(cfg), (torch.randn(2, 3, 32, 32),)
     raise ValueError(f"unknown model {name!r}; known: {NAMES}")
