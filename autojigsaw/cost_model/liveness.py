@@ -377,7 +377,7 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             model.lin.append(LinearItem(i, v, 0, end, pm.resident))
             if pm.gathered and i in first_read:  # FSDP: gathered for its readers' forward, and backward
                 model.lin.append(LinearItem(i, v, first_read[i], last_read[i], 1.0))
-                if training and grad.get(node.name, False):
+                if training:  # frozen too: FSDP gathers the whole model's weights for its backward
                     model.lin.append(LinearItem(i, v, bwd(last_read[i]), bwd(first_read[i]), 1.0))
             if training and grad.get(node.name, False):
                 model.lin.append(LinearItem(i, v, 0, end, optimizer.states * pm.state))
