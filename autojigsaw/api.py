@@ -351,7 +351,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
     t3 = time.perf_counter()
     planned = with_regime(assemble(captured, problem, solution, ctx, budget), ctx, chosen.layers)
-    planned = with_fsdp_traffic(with_traffic(planned, captured), captured, ctx)
+    planned = with_fsdp_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
                                             len(solution.cuts), solution.gap))
@@ -381,7 +381,7 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
     evaluated = with_regime(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
                             ctx, plan.recompute)
-    return with_fsdp_traffic(with_traffic(evaluated, captured), captured, ctx)
+    return with_fsdp_traffic(with_traffic(evaluated, captured), captured, ctx, problem.grad)
 
 
 def with_traffic(plan: Plan, captured: Captured) -> Plan:

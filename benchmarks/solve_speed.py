@@ -7,9 +7,9 @@ Cases: a 2-layer Mistral (hidden 64) on domain=2 x tensor=2 under 0.8, 0.7 and 0
 tensor=2 and on domain=2 x tensor=2 (float64 on the cpu spec, as tests/side_by_side.py plans
 them); T5 with its labels on tensor=2 under 0.7 and 0.6; the Llama-3-8B shape of
 benchmarks/plan_speed.py on domain=8 x tensor=8 (h100) with activation_checkpointing="auto"; the
-Jigsaw paper's WeatherMixer (benchmarks/families.py) at dim 32144 on domain=2 x tensor=2 and dim 47616 on domain=2 x tensor=4, A100-40GB, bf16 with fp32
-masters and recomputation chosen, at the edge of its 36 GiB budget (the hardest plans the scaling
-benchmark makes; a minute or two each).
+Jigsaw paper's WeatherMixer (benchmarks/families.py) at dim 32144 on domain=2 x tensor=2 and dim
+47616 on domain=2 x tensor=4, A100-40GB, bf16 with fp32 masters and recomputation chosen, at the
+edge of its 36 GiB budget (the hardest plans the scaling benchmark makes; a minute or two each).
 Every call into HiGHS is recorded: the table shows the largest program's variables and
 constraints, the number of HiGHS calls and their seconds, the worst status (optimal, gap:
 stopped at the time limit with a plan, time limit: no plan), and the predicted step time (the

@@ -148,7 +148,8 @@ def _whole_for_one_device(path: str, plan: str, mesh_shape: tuple, axes: tuple) 
     model.save_pretrained(path, state_dict=whole)  # the model's own parameters are DTensors: not these
     back = type(model).from_pretrained(path, torch_dtype=torch.float64)
     return {"trained": trained, "read back": {n: p.detach().numpy() for n, p in back.named_parameters()},
-            "generate refused": refused, "generated": back.generate(inputs[0], max_new_tokens=4, do_sample=False).numpy()}
+            "generate refused": refused,
+            "generated": back.generate(inputs[0], max_new_tokens=4, do_sample=False).numpy()}
 
 
 def test_whole_state_dict_saves_for_one_device(ranks2, tmp_path):
@@ -158,6 +159,7 @@ def test_whole_state_dict_saves_for_one_device(ranks2, tmp_path):
     # pmodel.generate said only "'ParallelModule' object has no attribute 'generate'": now what to do instead
     assert re.fullmatch(r"GPT2LMHeadModel\.generate is a method of the model: a ParallelModule runs only its forward "
                         r".*get_model_state_dict\(pmodel, options=StateDictOptions\(full_state_dict=True\)\), then "
-                        r"model\.load_state_dict\(full\) and call model\.generate\(\.\.\.\) there.*", r["generate refused"])
+                        r"model\.load_state_dict\(full\) and call model\.generate\(\.\.\.\) there.*",
+                        r["generate refused"])
     ref, inputs = _reference(1)
     np.testing.assert_array_equal(r["generated"], ref.generate(inputs[0], max_new_tokens=4, do_sample=False).numpy())

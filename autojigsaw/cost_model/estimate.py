@@ -117,7 +117,8 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         local = _local(tuple(val.shape), tuple(s.outputs[0] for s in strategies), sizes)
         nbytes = np.prod(local, axis=1) * val.dtype.itemsize
         masters = nbytes * ctx.param_memory(val.dtype.itemsize).state  # what the optimizer step reads
-        step = memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer") if grad else np.zeros_like(nbytes)
+        step = (memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer") if grad
+                else np.zeros_like(nbytes))
         return NodeCosts(step + ctx.fsdp_comm(nbytes, val.dtype.itemsize, trained=grad)[0])
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)

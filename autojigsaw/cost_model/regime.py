@@ -18,16 +18,17 @@ def with_regime(plan: Plan, ctx: CostContext, recomputed) -> Plan:
                    data_parallel=ctx.regime.data_parallel)
 
 
-def with_fsdp_traffic(plan: Plan, captured: Captured, ctx: CostContext) -> Plan:
+def with_fsdp_traffic(plan: Plan, captured: Captured, ctx: CostContext, grad: dict[str, bool]) -> Plan:
     """The plan with FSDP's traffic on the data axis: its bytes, and its time less what compute hides
     (a layer's gathers are prefetched during the layer before; the first is not). FSDP alone sums
-    the weights' gradients over that axis: the rewritten graph leaves them to it."""
+    the weights' gradients over that axis: the rewritten graph leaves them to it, and it has none to
+    sum for a weight that gets none (`grad`, the planned problem's: frozen, or behind a detach)."""
     values = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.name in captured.params}
     fsdp_s, fsdp_bytes = 0.0, 0
     for name in captured.params:
         local = local_shape(tuple(values[name].shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
         s, b = ctx.fsdp_comm(math.prod(local) * values[name].dtype.itemsize, values[name].dtype.itemsize,
-                             trained=name in captured.trained_params)
+                             trained=grad[name])
         fsdp_s, fsdp_bytes = fsdp_s + float(s), fsdp_bytes + int(b)
     if not fsdp_s:
         return plan
