@@ -528,4 +528,3 @@ def test_swin_shifted_windows_train_like_one_device(ranks4):
     for r in ranks4.run(train, "swin", (2, 2), ("domain", "tensor"), plan, steps=2):
         assert r["sharded"] > 0, r["table"]
         assert max(r["output"], r["grad"], r["param"]) <= 1e-10, r["table"]
-
