@@ -39,7 +39,7 @@ from .rewrite.recompute import checkpoint_layers
 from .rewrite.rewrite import rewrite
 from .rewrite.traffic import traffic_by_origin
 from .runtime.checks import check_agreement, check_group, check_plan, default_budget, device_of
-from .runtime.fsdp import shard_over_data_axis
+from .runtime.fsdp import FsdpUnits, shard_in_units
 from .runtime.materialize import materialize_model
 from .runtime.module import ParallelModule, Program
 from .runtime.one_plan import planned_on_rank0
@@ -213,7 +213,6 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
                             local_outputs=output_placements is not None)
     if example_inputs is not None:
         module.build(tuple(example_inputs), dict(example_kwargs or {}))
-        shard_over_data_axis(module, mesh, regime, mp_policy)
     elif regime.fsdp and spec.sizes[data_axes(spec)[0]] > 1:
         raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass example_inputs "
                          "to parallelize, or data_parallel='ddp' to plan at the first call")
@@ -222,8 +221,9 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
 
 def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
              options: Options, compile: bool | str, dynamic: bool = False, pinned: dict[str, Placements] | None = None,
-             reuse: Program | None = None) -> Program:
-    """One rank's program: capture, plan (unless given), materialize its shards, rewrite, compile.
+             reuse: Program | None = None, units: FsdpUnits | None = None) -> Program:
+    """One rank's program: capture, plan (unless given), materialize its shards (and FSDP's units), rewrite,
+    compile. `units`: the FSDP units the first program made, which later ones run through.
 
     `pinned` (parameter FQN -> placements): the model is sharded already and is planned again for
     new input shapes with its parameters where they are, so the optimizer's DTensors stay valid.
@@ -268,11 +268,17 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     rank = RankView.of(device_mesh, mesh)
     if pinned is None:
         materialize_model(model, plan.param_placements, device_mesh, rank.coord)
+        units = shard_in_units(model, captured, device_mesh, options.regime)
     # Inputs that do not require grad skip these gradient collectives at run time.
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
-    gm = checkpoint_layers(gm, captured, plan)
-    return Program(captured, plan, rank, gm, _compiled(gm, compile), options.regime.precision, symbolic)
+    split, pieces = checkpoint_layers(gm, captured, plan, units.layer_of if units else None)
+    if units is not None and pieces:
+        units.wrap(split, pieces, functools.partial(_compiled, compile=compile))
+        run = split
+    else:
+        run = _compiled(split, compile)
+    return Program(captured, plan, rank, gm, run, options.regime.precision, symbolic, units)
 
 
 def _compiled(gm: torch.fx.GraphModule, compile: bool | str) -> torch.nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from torch.fx import Node
@@ -32,3 +33,19 @@ def layer_path(node: Node, params: dict[str, str]) -> str | None:
     """The repeated layer a node runs in ("model.layers.3"), or None outside any."""
     layer = layer_of(module_path(node, params) or "")
     return f"{layer[0]}.{layer[1]}" if layer else None
+
+
+def layer_units(nodes: list[Node], params: dict[str, str]) -> dict[str, str]:
+    """Parameter placeholder -> the repeated layer that alone reads it, where that layer's nodes run as one
+    unbroken stretch of the graph: FSDP's units, each gathered only while its layer runs. Parameters
+    read outside layers, by two layers, or by a layer run in two stretches are absent (the root unit's)."""
+    layer = {n: layer_path(n, params) for n in nodes if n.op == "call_function"}
+    stretches = [key for key, _ in itertools.groupby(layer.values())]
+    whole = {key for key in stretches if key is not None and stretches.count(key) == 1}
+    units = {}
+    for node in nodes:
+        if node.op == "placeholder" and node.name in params and node.users:
+            readers = {layer.get(user) for user in node.users}
+            if len(readers) == 1 and readers <= whole:
+                units[node.name] = readers.pop()
+    return units

@@ -78,7 +78,7 @@ def _fsdp_copy() -> tuple[str, float]:
     try:
         copy.deepcopy(pmodel)
         error = ""
-    except AssertionError as e:
+    except RuntimeError as e:
         error = str(e)
 
     def update(avg, model):

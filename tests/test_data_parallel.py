@@ -20,6 +20,7 @@ from autojigsaw.ir import bytes_sent
 from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.testing.local_ranks import get_mesh
 
+from .cost_checks import measure_step
 from .side_by_side import build, loss_of, max_diff, plan_json, train
 
 AXES = ("data", "domain", "tensor")
@@ -87,14 +88,54 @@ def _fsdp_step(plan: str) -> dict:
 
 
 def test_fsdp_alone_sums_the_weights_gradients_over_the_data_axis(ranks4):
-    """No in-graph all-reduce on the data axis beside FSDP's: two gathers and one reduce-scatter per
-    step, the bytes the plan predicts, and the single device's gradients."""
+    """No in-graph all-reduce on the data axis beside FSDP's: per unit (the mixer's two blocks and the
+    root) two gathers and one reduce-scatter per step, the bytes the plan predicts, and the single
+    device's gradients."""
     plan = plan_json("mixer", {"data": 2, "tensor": 2}, 0.39, data_parallel="fsdp")
     for r in ranks4.run(_fsdp_step, plan):
         assert not [c for c in r["graph"] if c[1] == "data" and c[0] in ("all_reduce", "reduce_scatter")], r["graph"]
-        assert [kind for kind, _ in r["fsdp"]] == ["all_gather", "all_gather", "reduce_scatter"], r["fsdp"]
+        kinds = [kind for kind, _ in r["fsdp"]]
+        assert kinds[:3] == ["all_gather"] * 3 and kinds.count("all_gather") == 6, r["fsdp"]  # root, blocks.0, .1
+        assert kinds.count("reduce_scatter") == 3 and kinds[-1] == "reduce_scatter", r["fsdp"]
         assert r["sent"] == Plan.from_json(plan).comm_bytes, r
         assert r["grad"] <= 64 * 2.0**-52 * r["grad_scale"], r
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class _Stack(nn.Module):
+    """Wide layers on a small batch: the weights are most of the memory."""
+
+    def __init__(self, depth: int, width: int):
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.layers = nn.ModuleList(_Block(width) for _ in range(depth))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _stack(depth: int, width: int):
+    torch.manual_seed(0)
+    return _Stack(depth, width), (torch.randn(16, width),)
+
+
+def test_fsdp_gathers_a_layer_only_while_it_runs(ranks2):
+    """One FSDP unit per repeated layer, as the plan prices it: an 8-layer stack's measured peak is
+    within 10 % of the predicted one. With the whole model one unit (every weight gathered for the whole
+    forward and backward, and every gradient unsharded until the backward ends) it measured 1.75x that."""
+    for r in ranks2.run(measure_step, _stack, (8, 512), (2,), ("data",)):
+        assert abs(r.memory_error) <= 0.1, (r.predicted_peak, r.peak)
 
 
 class _PatchEmbed(nn.Module):

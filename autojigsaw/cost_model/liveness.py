@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
 from ..ir import Strategy, output_values, tensor_inputs
+from ..modules import layer_path, layer_units
 from ..placements import local_shape
 from .memory import Optimizer, Saved, is_view, saved_for_backward
 
@@ -275,11 +276,13 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
                  kernel_saved: dict[int, np.ndarray] | None = None,
                  param_memory: Callable[[int], ParamMemory] | None = None,
-                 params: set[str] = frozenset()) -> MemoryModel:
+                 params: dict[str, str] | None = None) -> MemoryModel:
     """The items of one step. `persistent`: parameter and buffer placeholders (live always);
     `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default);
-    `param_memory(itemsize)`: what each of `params` keeps (mixed precision, FSDP); None: plain training.
+    `param_memory(itemsize)`: what each of `params` (placeholder -> FQN) keeps (mixed precision, FSDP);
+    None: plain training.
     """
+    params = params or {}
     param_memory = param_memory or (lambda itemsize: ParamMemory())
     model = MemoryModel([n.name for n in nodes], training)
     n = len(nodes)
@@ -312,6 +315,15 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             first_read.setdefault(r, fwd(k))
             if grad.get(src.name, False) and (node.op == "output" or grad.get(node.name, False)):
                 last_grad_read[r] = max(last_grad_read.get(r, -1), bwd(k))
+
+    # FSDP's units (runtime/fsdp.py): a layer's own weights are gathered while its stretch of nodes runs,
+    # the root's (every other weight) for the whole forward and the whole backward
+    stretch: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        if node.op == "call_function":
+            stretch.setdefault(layer_path(node, params), []).append(i)
+    gathered_span = {name: (min(stretch[layer]), max(stretch[layer]))
+                     for name, layer in layer_units(nodes, params).items()}
 
     loss_returned = any(n.op == "output" and any(output_values(src)[o].ndim == 0 for src, o in tensor_inputs(n))
                         for n in nodes)
@@ -375,15 +387,16 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
         if node.name in persistent:
             pm = param_memory(output_values(node)[0].dtype.itemsize) if node.name in params else ParamMemory()
             model.lin.append(LinearItem(i, v, 0, end, pm.resident))
-            if pm.gathered and i in first_read:  # FSDP: gathered for its readers' forward, and backward
-                model.lin.append(LinearItem(i, v, first_read[i], last_read[i], 1.0))
-                if training:  # frozen too: FSDP gathers the whole model's weights for its backward
-                    model.lin.append(LinearItem(i, v, bwd(last_read[i]), bwd(first_read[i]), 1.0))
+            first, last = gathered_span.get(node.name, (0, n - 1))
+            if pm.gathered and i in first_read:  # FSDP: gathered while its unit runs, forward and backward
+                model.lin.append(LinearItem(i, v, fwd(first), fwd(last), 1.0))
+                if training:  # frozen too: a unit gathers all its weights for its backward
+                    model.lin.append(LinearItem(i, v, bwd(last), bwd(first), 1.0))
             if training and grad.get(node.name, False):
                 model.lin.append(LinearItem(i, v, 0, end, optimizer.states * pm.state))
                 if i in last_grad_read:
-                    if pm.gathered:  # the unsharded gradient, until its reduce-scatter
-                        model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(first_read[i]), 1.0))
+                    if pm.gathered:  # the unsharded gradient, until its unit's reduce-scatter
+                        model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(first), 1.0))
                     model.lin.append(LinearItem(i, v, last_grad_read[i], end, pm.grad))
             continue
         saved_by = savers.get(i, [])

@@ -6,7 +6,8 @@ pays it per tensor. As DDP buckets gradients and FSDP gathers a layer's weights 
 pass (run after fuse) merges collectives into the kernels of kernels/bucketed.py:
 
   grad_all_reduce of parameters, same axis and dtype        -> bucket_grad_all_reduce
-      (identity forward; one all-reduce once every member's gradient is in, as DDP does)
+      (identity forward; one all-reduce once every member's gradient is in, as DDP does;
+      under FSDP within one unit, whose weights exist only while it runs)
   all_gather, same axis, gradient kind and dtype, one layer  -> bucket_all_gather
       (e.g. a layer's q/k/v and gate/up weights; gradients: one reduce-scatter)
 
@@ -51,14 +52,15 @@ class _Bucket:
     nbytes: int = 0
 
 
-def bucket_collectives(gm: GraphModule, captured: Captured, rank) -> None:
-    """Merge the bucketable collectives of `captured` rewritten into `gm` (in place; recompile after)."""
+def bucket_collectives(gm: GraphModule, captured: Captured, rank, units: dict[str, str] | None = None) -> None:
+    """Merge the bucketable collectives of `captured` rewritten into `gm` (in place; recompile after);
+    `units`: FSDP's (parameter placeholder -> layer), whose weights' buckets stay in their layer."""
     scope, params = _scopes(captured), set(captured.params)
     nodes = list(gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     open_buckets: dict[tuple, list[_Bucket]] = {}
     for node in nodes:
-        key = _key(node, scope, params)
+        key = _key(node, scope, params, units or {})
         if key is None:
             continue
         (src,) = node.all_input_nodes
@@ -80,7 +82,7 @@ def bucket_collectives(gm: GraphModule, captured: Captured, rank) -> None:
     gm.graph.lint()
 
 
-def _key(node: Node, scope: dict[str, str], params: set[str]) -> tuple | None:
+def _key(node: Node, scope: dict[str, str], params: set[str], units: dict[str, str]) -> tuple | None:
     """What must be equal for two collectives to share a bucket; None: not bucketed."""
     if node.op != "call_function" or node.target not in (C.grad_all_reduce, C.all_gather):
         return None
@@ -92,7 +94,7 @@ def _key(node: Node, scope: dict[str, str], params: set[str]) -> tuple | None:
             # an activation's gradient: waiting for a bucket would hold the backward up; an input's:
             # it may need no gradient at run time, and would be sent in the bucket all the same
             return None
-        return (C.grad_all_reduce, kw["axis"], dtype)
+        return (C.grad_all_reduce, kw["axis"], dtype, units.get(src.name))
     return (C.all_gather, kw["axis"], kw["grad"], len(kw["sizes"]), dtype,
             scope.get(node.meta.get(ORIGIN)))
 

@@ -54,15 +54,23 @@ class Checkpointed(nn.Module):
         return checkpoint(self.module, *args, use_reentrant=False)
 
 
-def checkpoint_layers(gm: GraphModule, captured: Captured, plan: Plan) -> GraphModule:
-    """`gm` with each layer the plan recomputes run through checkpoint (unchanged if none)."""
+def checkpoint_layers(gm: GraphModule, captured: Captured, plan: Plan,
+                      weights: dict[str, str] | None = None) -> tuple[GraphModule, dict[str, str]]:
+    """`gm` with each layer the plan recomputes run through checkpoint, and the layer of each layer's
+    submodule; `gm` itself and {} if there are none. `weights` (parameter placeholder -> layer: FSDP's
+    units): those layers are split out too, with the nodes that pass their weights on (gradient sums and
+    masks, identities forward), moved to just before their first reader."""
+    weights = weights or {}
     policy_of = dict(plan.recompute)
-    if not policy_of:
-        return gm
-    layer_of_origin = {}
+    layers = set(policy_of) | set(weights.values())
+    if not layers:
+        return gm, {}
+    if weights:
+        _to_first_reader(gm, set(weights))
+    layer_of_origin = dict(weights)
     for node in captured.gm.graph.nodes:
         layer = layer_path(node, captured.params) if node.op == "call_function" else None
-        if layer in policy_of:
+        if layer in layers:
             layer_of_origin[node.name] = layer
     partition, runs, current = {}, [], None
     for node in gm.graph.nodes:
@@ -74,8 +82,18 @@ def checkpoint_layers(gm: GraphModule, captured: Captured, plan: Plan) -> GraphM
             current = layer
         partition[node] = len(runs) - 1
     split = split_module(gm, gm, lambda node: partition[node], keep_original_order=True)
-    for k, layer in enumerate(runs):
-        if layer is not None:
-            name = f"submod_{k}"
+    pieces = {f"submod_{k}": layer for k, layer in enumerate(runs) if layer is not None}
+    for name, layer in pieces.items():
+        if layer in policy_of:
             setattr(split, name, Checkpointed(getattr(split, name), policy_of[layer]))
-    return split
+    return split, pieces
+
+
+def _to_first_reader(gm: GraphModule, weights: set[str]) -> None:
+    """Nodes made for a weight in `weights` (its gradient's sums and masks, placed just after its placeholder)
+    moved to just before their first reader, so that they run with the layer that reads the weight."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and node.meta.get(ORIGIN) in weights and node.users:
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            min(node.users, key=order.__getitem__).prepend(node)
+    gm.recompile()

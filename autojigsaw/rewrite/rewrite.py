@@ -20,6 +20,7 @@ from ..ir import (AXIS, GLOBAL, KERNEL, ORIGIN, PLACEMENTS, Collective, GradKind
                   step_sizes, tensor_inputs)
 from ..kernels import collectives, registry
 from ..mesh import RankView
+from ..modules import layer_units
 from ..placements import Placements
 from ..plan import Plan
 from ..strategies.dtensor_rules import local_call
@@ -79,7 +80,8 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params),
                        fsdp_axis=data_axes(plan.mesh)[0] if plan.data_parallel == "fsdp" else None)
     fuse_collectives(gm)
-    bucket_collectives(gm, captured, rank)
+    units = layer_units(list(captured.gm.graph.nodes), captured.params) if plan.data_parallel == "fsdp" else None
+    bucket_collectives(gm, captured, rank, units)
     gm.recompile()
     return gm
 

@@ -1,39 +1,154 @@
-"""FSDP2 on the data axis: `parallelize` shards the weights over it when the regime says "fsdp"."""
+"""FSDP2 on the data axis, one unit per repeated layer: `parallelize` shards the weights over it when the
+regime says "fsdp".
+
+The rewritten program is one graph that takes every weight as an input, so FSDP cannot wrap the
+model's own modules. Each repeated layer whose weights only it reads (modules.layer_units) gets a
+holder module of those weights, `fully_shard`ed; the program's stretch of nodes for that layer
+runs through it, so FSDP gathers the layer's weights before it runs, frees them after, gathers
+them again for its backward and reduce-scatters their gradients when it is done, as torchtitan's
+per-block wrapping does. A root holder, the units' parent, keeps every other weight (embeddings,
+a tied head, final norms) gathered for the whole forward and the whole backward. The model's
+modules are pointed at the sharded parameters, which the optimizer and checkpoints see.
+"""
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+import dataclasses
+import warnings
+from collections.abc import Callable
 
+import torch
+from torch import nn
+from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.fx import GraphModule
+
+from ..capture import Captured
 from ..mesh import MeshSpec
+from ..modules import layer_units
 from ..training import Regime, data_axes
 
 
-def shard_over_data_axis(module: torch.nn.Module, device_mesh, regime: Regime, mp_policy=None) -> None:
-    """`fully_shard` over the data axis with the run's mixed precision (nothing without FSDP or a data axis).
+class _Holder(nn.Module):
+    """The weights of one FSDP unit, named by their graph placeholders; it runs the piece that reads them."""
 
-    The graph leaves each rank's contribution to the weights' gradients unsummed over the data
-    axis, so FSDP's reduce-scatter sums them (no division): the gradients are the single-device
-    ones, sent once. The weights are gathered for the forward and again for the backward, as
-    the plan prices them.
-    """
+    def __init__(self, params: dict[str, nn.Parameter]):
+        super().__init__()
+        for name, p in params.items():
+            self.register_parameter(name, p)
+
+    def forward(self, run: Callable, slots: dict[int, str], *args):
+        """run(*args) with args[k] this rank's gathered weight `slots[k]`."""
+        args = list(args)
+        for k, name in slots.items():
+            args[k] = self.local(name)
+        return run(*args)
+
+    def local(self, placeholder: str) -> torch.Tensor:
+        """This rank's tensor of a weight (gathered while FSDP runs this unit)."""
+        p = getattr(self, placeholder)
+        return p.to_local() if isinstance(p, DTensor) else p
+
+
+class _InUnit(nn.Module):
+    """A layer's piece of the program, run through its FSDP unit."""
+
+    def __init__(self, unit: _Holder, piece: nn.Module, slots: dict[int, str]):
+        super().__init__()
+        self.piece, self.slots = piece, slots
+        object.__setattr__(self, "unit", unit)  # not a submodule: one unit serves the program of every input shape
+
+    def forward(self, *args):
+        with warnings.catch_warnings():
+            # FSDP warns of an in-place op on a returned view; the program's graph makes none
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            return self.unit(self.piece, self.slots, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpUnits:
+    """The FSDP units of a model's weights: placeholder -> layer for the layers' own, the root for the rest."""
+
+    root: _Holder
+    layer_of: dict[str, str]
+    units: dict[str, _Holder]
+
+    def feed(self, placeholder: str) -> torch.Tensor | None:
+        """A root weight as gathered now (within `run`); None for a layer's, which its unit gives its piece."""
+        return None if placeholder in self.layer_of else self.root.local(placeholder)
+
+    def run(self, program: Callable[[], object]):
+        """program() within the root unit: its weights gathered, the layers' units inside it."""
+        return self.root(program, {})
+
+    def wrap(self, split: GraphModule, pieces: dict[str, str], compiled: Callable[[nn.Module], nn.Module]) -> None:
+        """Every piece of `split` `compiled` (FSDP's hooks stay outside torch.compile), and each layer's piece
+        (`pieces`: submodule name -> layer) run through its unit."""
+        seen = set()
+        for name, piece in list(split.named_children()):
+            layer = pieces.get(name)
+            if layer not in self.units:
+                setattr(split, name, compiled(piece))
+                continue
+            if layer in seen:
+                raise RuntimeError(f"autojigsaw: layer {layer!r} runs in two stretches of the rewritten program, "
+                                   "so its FSDP unit would gather its weights twice; please report it")
+            seen.add(layer)
+            inner = getattr(piece, "module", piece)  # under checkpoint: the layer's own graph
+            placeholders = [n.name for n in inner.graph.nodes if n.op == "placeholder"]
+            slots = {k: ph for k, ph in enumerate(placeholders) if self.layer_of.get(ph) == layer}
+            setattr(split, name, _InUnit(self.units[layer], compiled(piece), slots))
+        for node in split.graph.nodes:  # a layer's weight exists only while its unit runs
+            if node.op == "placeholder" and node.name in self.layer_of:
+                outside = [u.name for u in node.users if pieces.get(u.target) != self.layer_of[node.name]]
+                if outside:
+                    raise RuntimeError(f"autojigsaw: weight {node.name!r} of FSDP unit {self.layer_of[node.name]!r} "
+                                       f"is read outside its layer, by {outside}; please report it")
+
+
+def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Regime) -> FsdpUnits | None:
+    """`fully_shard` the model's weights over the data axis in per-layer units with the run's mixed precision;
+    None without FSDP or a data axis. Call it once, after the weights are placed and before the optimizer is made."""
     axes = data_axes(MeshSpec.of(device_mesh))
     if not regime.fsdp or not axes or device_mesh.mesh.shape[axes[0]] == 1:
-        return
-    _check_one_dtype(module, device_mesh.mesh_dim_names[axes[0]])
-    _check_no_scalars(module, device_mesh.mesh_dim_names[axes[0]])
-    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+        return None
+    axis = device_mesh.mesh_dim_names[axes[0]]
+    _check_one_dtype(model, axis)
+    _check_no_scalars(model, axis)
+    layer_of = layer_units(list(captured.gm.graph.nodes), captured.params)
+    by_unit: dict[str | None, dict[str, nn.Parameter]] = {}
+    placed = set()
+    for placeholder, fqn in captured.params.items():
+        p = model.get_parameter(fqn)
+        by_unit.setdefault(layer_of.get(placeholder), {})[placeholder] = p
+        placed.add(id(p))
+    rest = {f"unused_{k}": p for k, (fqn, p) in enumerate(model.named_parameters()) if id(p) not in placed}
+    by_unit.setdefault(None, {}).update(rest)
+    units = {layer: _Holder(params) for layer, params in by_unit.items() if layer is not None}
+    root = _Holder(by_unit[None])
+    root.units = nn.ModuleList(units.values())
+    precision = regime.precision
+    policy = MixedPrecisionPolicy(param_dtype=precision.param_dtype if precision.mixed else None,
+                                  reduce_dtype=precision.reduce_dtype if precision.mixed else None,
+                                  cast_forward_inputs=False)
+    old = {id(p): (holder, name) for holder in (root, *units.values()) for name, p in holder._parameters.items()}
     with torch.inference_mode(False):  # shards made under inference_mode could never train
-        fully_shard(module, mesh=device_mesh,
-                    dp_mesh_dims=DataParallelMeshDims(shard=device_mesh.mesh_dim_names[axes[0]]),
-                    reshard_after_forward=True, **kwargs)
-        # FSDP2 makes its gathered weights' buffers at the first gather: in a first forward under
-        # inference_mode (a check before training) they would be inference tensors, and every later
-        # step fails. One gather now (as much memory as a forward's) makes them normal ones.
-        module.unshard()
-        module.reshard()
-    module.set_gradient_divide_factor(1.0)
-    module.set_force_sum_reduction_for_comms(True)
+        for holder in (*units.values(), root):  # children first: the root keeps what they leave
+            fully_shard(holder, mesh=device_mesh, dp_mesh_dims=DataParallelMeshDims(shard=axis),
+                        reshard_after_forward=True, mp_policy=policy)
+            # FSDP2 makes its gathered weights' buffers at the first gather: in a first forward under
+            # inference_mode (a check before training) they would be inference tensors, and every later
+            # step fails. One gather now (as much memory as the unit's weights) makes them normal ones.
+            holder.unshard()
+            holder.reshard()
+            holder.set_gradient_divide_factor(1.0)
+            holder.set_force_sum_reduction_for_comms(True)
+    for module in model.modules():  # the model's modules (and so the optimizer) hold the shards
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in old:
+                holder, key = old[id(p)]
+                module._parameters[name] = holder._parameters[key]
+    return FsdpUnits(root, layer_of, units)
 
 
 def _check_one_dtype(module: torch.nn.Module, axis: str) -> None:

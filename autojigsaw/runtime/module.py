@@ -37,6 +37,7 @@ from ..plan import Plan
 from ..training import Precision
 from .materialize import local_view
 from .module_state import PLAIN, changed_state, describe_modes, module_state
+from .fsdp import FsdpUnits
 from .same_values import check_same_values, checks_again, values_to_agree
 
 log = logging.getLogger("autojigsaw")
@@ -44,7 +45,8 @@ log = logging.getLogger("autojigsaw")
 
 @dataclass(frozen=True)
 class Program:
-    """What one rank runs: the captured graph, its plan, the rank, the rewritten graph and its compiled form."""
+    """What one rank runs: the captured graph, its plan, the rank, the rewritten graph and what runs it (split
+    in layers for recomputation or FSDP's units, compiled)."""
 
     captured: Captured
     plan: Plan
@@ -53,6 +55,7 @@ class Program:
     run: Callable
     precision: Precision = Precision()
     symbolic: Captured | None = None  # with dynamic=True: the graph at symbolic sizes, its plan serves their range
+    units: FsdpUnits | None = None  # FSDP's units over the data axis (the first program makes them)
 
 
 _AUTOCAST = ("autojigsaw: a parallelized module called under torch.autocast runs its ops autocast, but its plan "
@@ -103,6 +106,7 @@ class ParallelModule(nn.Module):
         self._local_inputs_given = local_inputs
         self._local_outputs = local_outputs
         self._program = None
+        self._units: FsdpUnits | None = None
         self._state: tuple | None = None  # the modules' state the last program was built for
         self._calls = 0  # forward calls, for the checks that ranks still hold the same inputs and random state
         self._programs: dict[tuple, Program] = {}  # one per input shape, as torch.compile caches graphs
@@ -130,12 +134,13 @@ class ParallelModule(nn.Module):
             log.info("autojigsaw: input shapes %s run with the plan of %s (dynamic=True)", key[1][-1],
                      serving.symbolic.shapes)
             program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements,
-                                 reuse=serving)
+                                 reuse=serving, units=self._units)
         else:
             log.info("autojigsaw: planning again for input shapes %s (needing a gradient: %s) in %s%s (parameters "
                      "stay as placed)", key[1][-1], key[2], describe_modes(key[0]),
                      changed_state(self._model, self._state, key[0]))
-            program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements)
+            program = self._make(self._model, args, kwargs, plan=None, pinned=self.plan.param_placements,
+                                 units=self._units)
         if dist.get_rank() == 0:
             log.info(program.plan.summary_line())
         self._keep(key, program)
@@ -144,6 +149,7 @@ class ParallelModule(nn.Module):
         self._state = module_state(self._model)
         self._keep((self._state, *key[1:]), program)
         self._use(program)
+        self._units = self._units or program.units
         self._parameters.update(self._model._parameters)  # the model's own, now sharded
         self._buffers.update(self._model._buffers)
 
@@ -208,7 +214,12 @@ class ParallelModule(nn.Module):
     def __deepcopy__(self, memo: dict) -> ParallelModule:
         """A copy with its own parameters and buffers (an EMA model: copy.deepcopy, AveragedModel) that
         runs this module's programs: they hold no weights, and a copied graph would rename its nodes.
-        (Under FSDP, FSDP's own __deepcopy__ refuses first.)"""
+        Refused under FSDP, whose units hold the weights the programs read."""
+        if self._units is not None:
+            raise RuntimeError("FSDP does not support deepcopy: with data_parallel='fsdp' the programs read the "
+                               "weights of this module's FSDP units, so a copy would train the original's. Keep an "
+                               "average of the parameters instead (torch._foreach_lerp_(ema, [p.detach() for p in "
+                               "pmodel.parameters()], 1 - decay)), or use data_parallel='ddp'")
         model = copy.deepcopy(self._model, memo)
         twin = ParallelModule(model, self.device_mesh, self._make, plan=self.plan,
                               local_inputs=self._local_inputs_given, local_outputs=self._local_outputs)
@@ -238,31 +249,17 @@ class ParallelModule(nn.Module):
         if checks_again(self._calls):
             check_same_values(values_to_agree(self._model, self._captured, args, kwargs, weights=False,
                                               whole_inputs=not self._local_inputs_given))
-        captured, plan, rank = self._captured, self.plan, self._rank
+        captured = self._captured
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:
             raise ValueError(f"the module was planned for inputs structured as {captured.in_spec}, "
                              f"got {spec}; call it as in the example inputs")
-        inputs = iter(self._local_inputs(flat))
-        feeds = []
-        for node in captured.gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            if node.name in captured.params:
-                # through this module, whose parameters FSDP swaps for gathered ones around the forward
-                feeds.append(self._compute_copy(self._local_parameter(captured.params[node.name])))
-            elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
-                # The module's own buffer (made real from meta, or loaded) over export's copy of it.
-                buf = self._model.get_buffer(captured.buffers[node.name])
-                if captured.buffers[node.name] in captured.mutated_buffers:
-                    buf = buf.clone()  # written back below, while autograd may still hold the old value
-                feeds.append(local_view(buf, plan.node(node.name).output, self.mesh.sizes, rank.coord))
-            elif node.name in captured.constants:
-                feeds.append(captured.constants[node.name])
-            else:
-                feeds.append(next(inputs))
+
+        def run():
+            return self._program(*self._feeds(flat))
+
         try:
-            outs = self._program(*feeds)
+            outs = run() if self._units is None else self._units.run(run)
         except CollectiveError as e:
             raise CollectiveError(f"{e} (graph node {_failing_node(e, self._graph)!r}, forward)", e.kind, e.axis) from e
         # export returns a buffer's new value (BatchNorm's running statistics) before the outputs
@@ -277,6 +274,36 @@ class ParallelModule(nn.Module):
         if not self._local_outputs:
             outs = self._as_dtensors(outs)
         return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+    def _feeds(self, flat: list) -> list:
+        """The program's inputs: the weights, buffers and constants it reads, then the call's inputs."""
+        captured, plan, rank = self._captured, self.plan, self._rank
+        inputs = iter(self._local_inputs(flat))
+        feeds = []
+        for node in captured.gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            if node.name in captured.params:
+                feeds.append(self._weight(node.name))
+            elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
+                # The module's own buffer (made real from meta, or loaded) over export's copy of it.
+                buf = self._model.get_buffer(captured.buffers[node.name])
+                if captured.buffers[node.name] in captured.mutated_buffers:
+                    buf = buf.clone()  # written back below, while autograd may still hold the old value
+                feeds.append(local_view(buf, plan.node(node.name).output, self.mesh.sizes, rank.coord))
+            elif node.name in captured.constants:
+                feeds.append(captured.constants[node.name])
+            else:
+                feeds.append(next(inputs))
+        return feeds
+
+    def _weight(self, placeholder: str) -> torch.Tensor | None:
+        """A weight as the program reads it: this rank's tensor in the compute dtype; under FSDP's units the
+        root's gathered one, and None for a layer's (its unit feeds it to the layer's piece)."""
+        local = self._local_parameter(self._captured.params[placeholder])
+        if self._units is not None:
+            local = self._units.feed(placeholder)
+        return None if local is None else self._compute_copy(local)
 
     def _local_parameter(self, fqn: str) -> torch.Tensor:
         """This rank's shard of parameter `fqn`; a clear error if it was replaced by a plain tensor."""
