@@ -35,7 +35,7 @@ from .planner.assemble import assemble, fixed_solution
 from .planner.errors import infeasible_error
 from .planner.recompute import solve_with_recompute, with_layers_recomputed
 from .planner.reuse import plan_at_shapes
-from .rewrite.recompute import checkpoint_layers
+from .rewrite.recompute import split_layers
 from .rewrite.rewrite import rewrite
 from .rewrite.traffic import traffic_by_origin
 from .runtime.checks import check_agreement, check_group, check_plan, default_budget, device_of
@@ -272,7 +272,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     # Inputs that do not require grad skip these gradient collectives at run time.
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
-    split, pieces = checkpoint_layers(gm, captured, plan, units.layer_of if units else None)
+    split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
     if units is not None and pieces:
         units.wrap(split, pieces, functools.partial(_compiled, compile=compile))
         run = split

@@ -1,8 +1,8 @@
 """Recomputation at run time: the layers a plan recomputes run under torch.utils.checkpoint.
 
 The rewritten graph is split (torch.fx split_module) into runs of nodes that serve one
-recomputed layer and runs that serve none; each layer's submodule is called through
-non-reentrant checkpoint. "full" keeps only the layer's inputs; "selective" keeps the outputs
+recomputed layer (or one FSDP unit's layer, runtime/fsdp.py) and runs that serve none; each
+recomputed layer's submodule is called through non-reentrant checkpoint. "full" keeps only the layer's inputs; "selective" keeps the outputs
 of matmuls, attention and collectives (torchtitan's op-level policy, via
 create_selective_checkpoint_contexts) and recomputes the rest. Every rank recomputes the same
 layers in the same order, so collectives inside a recomputed layer still meet.
@@ -54,7 +54,7 @@ class Checkpointed(nn.Module):
         return checkpoint(self.module, *args, use_reentrant=False)
 
 
-def checkpoint_layers(gm: GraphModule, captured: Captured, plan: Plan,
+def split_layers(gm: GraphModule, captured: Captured, plan: Plan,
                       weights: dict[str, str] | None = None) -> tuple[GraphModule, dict[str, str]]:
     """`gm` with each layer the plan recomputes run through checkpoint, and the layer of each layer's
     submodule; `gm` itself and {} if there are none. `weights` (parameter placeholder -> layer: FSDP's
