@@ -163,7 +163,8 @@ def test_a_product_with_a_constant_saves_only_the_constant():
 
 def test_mixed_precision_keeps_fp32_masters_and_bf16_activations():
     assert ParamMemory.of(2, mixed=True, fsdp_ranks=1) == ParamMemory(3.0, 2.0, 2.0, False)
-    assert ParamMemory.of(2, mixed=True, fsdp_ranks=8) == ParamMemory(0.25, 0.25, 0.25, True)
+    assert ParamMemory.of(2, mixed=True, fsdp_ranks=8) == ParamMemory(0.25, 0.25, 0.25, True, 1.0)
+    assert ParamMemory.of(2, mixed=True, fsdp_ranks=8, reduce_itemsize=4).scatter == 2.0  # fp32 sums of bf16
     assert ParamMemory.of(4, mixed=False, fsdp_ranks=1) == ParamMemory()
     fp32, mixed = _plan("none"), _plan("none", mp_policy=BF16)
     assert mixed.precision == "bf16 compute, fp32 masters, fp32 gradient sums"

@@ -56,7 +56,8 @@ class CostContext:
         """What a parameter computed with `itemsize`-byte elements keeps, under this regime."""
         axis = self.fsdp_axis
         return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
-                              fsdp_ranks=self.mesh.sizes[axis] if axis is not None else 1)
+                              fsdp_ranks=self.mesh.sizes[axis] if axis is not None else 1,
+                              reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize))
 
     def fsdp_comm(self, nbytes, itemsize: int, trained: bool = True):
         """(seconds, bytes sent) of FSDP's traffic for a parameter of `nbytes` local compute bytes:

@@ -44,19 +44,22 @@ class ParamMemory:
     Plain training: the weight, its gradient and the optimizer states, all in the model's dtype
     (every scale 1). Mixed precision adds fp32 masters (the optimizer's) beside the low-precision
     copy, and fp32 gradients and states. FSDP over `d` ranks keeps masters, gradients and
-    states sharded (1/d) and gathers the compute copy only while its readers run.
+    states sharded (1/d), gathers the compute copy only while its unit runs, and reduce-scatters the
+    gradient from a flat copy in the reduce dtype.
     """
 
     resident: float = 1.0  # bytes kept all step (the weight; or masters + compute copy)
     grad: float = 1.0  # the gradient, from its first contribution to the optimizer step
     state: float = 1.0  # each optimizer state tensor
-    gathered: bool = False  # FSDP: the compute copy lives only in its readers' forward and backward
+    gathered: bool = False  # FSDP: the compute copy lives only in its unit's forward and backward
+    scatter: float = 0.0  # FSDP: the gradient's copy in the flat reduce-scatter input
 
     @classmethod
-    def of(cls, itemsize: int, *, mixed: bool, fsdp_ranks: int) -> ParamMemory:
+    def of(cls, itemsize: int, *, mixed: bool, fsdp_ranks: int, reduce_itemsize: int | None = None) -> ParamMemory:
         master = 4 / itemsize if mixed else 1.0  # fp32 masters per compute byte
         if fsdp_ranks > 1:
-            return cls(master / fsdp_ranks, master / fsdp_ranks, master / fsdp_ranks, True)
+            shard = master / fsdp_ranks
+            return cls(shard, shard, shard, True, (reduce_itemsize or itemsize) / itemsize)
         return cls(master + (1.0 if mixed else 0.0), master, master, False)
 
 
@@ -388,15 +391,19 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             pm = param_memory(output_values(node)[0].dtype.itemsize) if node.name in params else ParamMemory()
             model.lin.append(LinearItem(i, v, 0, end, pm.resident))
             first, last = gathered_span.get(node.name, (0, n - 1))
-            if pm.gathered and i in first_read:  # FSDP: gathered while its unit runs, forward and backward
+            if pm.gathered and i in first_read:  # FSDP: gathered while its unit runs, forward and backward;
+                # at each gather the unit's flat all-gather buffer and the weights copied out of it both live
                 model.lin.append(LinearItem(i, v, fwd(first), fwd(last), 1.0))
+                model.lin.append(LinearItem(i, v, fwd(first), fwd(first), 1.0))
                 if training:  # frozen too: a unit gathers all its weights for its backward
                     model.lin.append(LinearItem(i, v, bwd(last), bwd(first), 1.0))
+                    model.lin.append(LinearItem(i, v, bwd(last), bwd(last), 1.0))
             if training and grad.get(node.name, False):
                 model.lin.append(LinearItem(i, v, 0, end, optimizer.states * pm.state))
                 if i in last_grad_read:
-                    if pm.gathered:  # the unsharded gradient, until its unit's reduce-scatter
+                    if pm.gathered:  # the unsharded gradient, until its unit's reduce-scatter copies it in
                         model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(first), 1.0))
+                        model.lin.append(LinearItem(i, v, bwd(first), bwd(first), pm.scatter))
                     model.lin.append(LinearItem(i, v, last_grad_read[i], end, pm.grad))
             continue
         saved_by = savers.get(i, [])
