@@ -35,9 +35,9 @@ from ..mesh import MeshSpec, RankView
 from ..placements import chunk_sizes, local_shape
 from ..plan import Plan
 from ..training import Precision
+from .fsdp import FsdpUnits
 from .materialize import local_view
 from .module_state import PLAIN, changed_state, describe_modes, module_state
-from .fsdp import FsdpUnits
 from .same_values import check_same_values, checks_again, values_to_agree
 
 log = logging.getLogger("autojigsaw")
@@ -300,7 +300,7 @@ class ParallelModule(nn.Module):
     def _weight(self, placeholder: str) -> torch.Tensor | None:
         """A weight as the program reads it: this rank's tensor in the compute dtype; under FSDP's units the
         root's gathered one, and None for a layer's (its unit feeds it to the layer's piece)."""
-        local = self._local_parameter(self._captured.params[placeholder])
+        local = self._local_parameter(self._captured.params[placeholder])  # (checks it is still parallelize's)
         if self._units is not None:
             local = self._units.feed(placeholder)
         return None if local is None else self._compute_copy(local)
