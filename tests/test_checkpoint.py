@@ -126,8 +126,10 @@ def test_single_device_state_dict_loads_with_load_state_dict(ranks2, tmp_path):
         for p in ref.parameters():
             p.mul_(0.5).add_(0.01)
     torch.save(ref.state_dict(), tmp_path / "single.pt")
-    for mesh in ({"tensor": 2}, {"data": 2}):
-        for diff in ranks2.run(_load_single_device_file, str(tmp_path / "single.pt"), plan_json(NAME, mesh),
+    # FSDP over data=2 alone needs 0.91 of the replicated bytes (its root unit holds the tied embedding and
+    # head gathered for the whole step; MemTracker measures 3.36 of 3.71 MiB), more than the 0.7 of tensor=2
+    for mesh, fraction in (({"tensor": 2}, 0.7), ({"data": 2}, 0.95)):
+        for diff in ranks2.run(_load_single_device_file, str(tmp_path / "single.pt"), plan_json(NAME, mesh, fraction),
                                tuple(mesh.values()), tuple(mesh)):
             assert diff <= 1e-12, (mesh, diff)
 
