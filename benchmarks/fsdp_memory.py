@@ -44,7 +44,7 @@ def llama(layers: int, hidden: int, batch: int, seq: int):
     return _Logits(tf.LlamaForCausalLM(cfg)), (torch.randint(0, 256, (batch, seq)),)
 
 
-def main() -> None:
+def main() -> Report:
     report = Report("fsdp_memory", "FSDP peak memory per rank, predicted and measured (data=2, fp32, Adam)")
     rows = []
     with LocalRanks(2) as pool:
@@ -54,6 +54,7 @@ def main() -> None:
     report.table("Llama on data=2", rows, ["layers", "hidden", "batch", "sequence", "predicted MiB", "measured MiB",
                                            "error"])
     report.save()
+    return report
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ RUNS = {
     # gloo on local ranks: minutes; the smoke test would not afford them
     "vs_transformers_tp": {"full": [], "quick": ["--reps", "3"], "tiny": None},
     "gloo_links": {"full": [], "quick": ["--worlds", "2", "--reps", "5"], "tiny": None},
+    "fsdp_memory": {"full": [], "quick": [], "tiny": None},
 }
 
 
