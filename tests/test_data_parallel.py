@@ -16,8 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autojigsaw
 from autojigsaw import Plan
+from autojigsaw.capture import capture
 from autojigsaw.ir import bytes_sent
 from autojigsaw.kernels.collectives import count_comm
+from autojigsaw.modules import layer_units
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .cost_checks import measure_step
@@ -136,6 +138,27 @@ def test_fsdp_gathers_a_layer_only_while_it_runs(ranks2):
     forward and backward, and every gradient unsharded until the backward ends) it measured 1.75x that."""
     for r in ranks2.run(measure_step, _stack, (8, 512), (2,), ("data",)):
         assert abs(r.memory_error) <= 0.1, (r.predicted_peak, r.peak)
+
+
+class _Revisits(nn.Module):
+    """Layer 0 runs twice (before and after layer 1); the head reuses the embedding's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        x = self.layers[0](self.layers[1](self.layers[0](self.embed(x))))
+        return F.linear(self.layers[2](x), self.embed.weight)
+
+
+def test_fsdp_units_are_the_layers_that_alone_read_their_weights_in_one_stretch():
+    captured = capture(_Revisits(), (torch.randn(2, 8),), {})
+    units = layer_units(list(captured.gm.graph.nodes), captured.params)
+    assert {captured.params[ph]: layer for ph, layer in units.items()} == {
+        "layers.1.weight": "layers.1", "layers.1.bias": "layers.1",
+        "layers.2.weight": "layers.2", "layers.2.bias": "layers.2"}
 
 
 class _PatchEmbed(nn.Module):
