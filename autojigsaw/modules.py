@@ -35,16 +35,23 @@ def layer_path(node: Node, params: dict[str, str]) -> str | None:
     return f"{layer[0]}.{layer[1]}" if layer else None
 
 
+def fsdp_shards(value) -> bool:
+    """Whether FSDP2 shards a parameter, along its dim 0: a scalar (CLIP's logit_scale) has none, so it stays
+    whole on the data axis and the graph sums its gradient over it, as under DDP."""
+    return getattr(value, "ndim", 0) > 0
+
+
 def layer_units(nodes: list[Node], params: dict[str, str]) -> dict[str, str]:
     """Parameter placeholder -> the repeated layer that alone reads it, where that layer's nodes run as one
     unbroken stretch of the graph: FSDP's units, each gathered only while its layer runs. Parameters
-    read outside layers, by two layers, or by a layer run in two stretches are absent (the root unit's)."""
+    read outside layers, by two layers, or by a layer run in two stretches are absent (the root unit's),
+    and so are those FSDP leaves whole (`fsdp_shards`)."""
     layer = {n: layer_path(n, params) for n in nodes if n.op == "call_function"}
     stretches = [key for key, _ in itertools.groupby(layer.values())]
     whole = {key for key in stretches if key is not None and stretches.count(key) == 1}
     units = {}
     for node in nodes:
-        if node.op == "placeholder" and node.name in params and node.users:
+        if node.op == "placeholder" and node.name in params and node.users and fsdp_shards(node.meta.get("val")):
             readers = {layer.get(user) for user in node.users}
             if len(readers) == 1 and readers <= whole:
                 units[node.name] = readers.pop()

@@ -209,6 +209,77 @@ def test_parameters_read_only_by_parameters_get_their_gradient_once(ranks2, data
         assert r["param"] <= 16 * 2.0**-52, r
 
 
+class _GatedBlock(nn.Module):
+    """A residual layer behind a learned scalar gate (ReZero)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin, self.alpha = nn.Linear(width, width), nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return x + self.alpha * torch.relu(self.lin(x))
+
+
+class _Gated(nn.Module):
+    """Scalar parameters as models write them: a ReZero gate in every layer, CLIP's learned temperature."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_GatedBlock(16) for _ in range(2))
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x * self.logit_scale.exp()
+
+
+def _gated_steps() -> dict:
+    """Largest differences from one device over two Adam steps, the placements of the scalars and the
+    other weights, and the bytes sent in the first step (the graph's and FSDP's) beside the plan's."""
+    torch.manual_seed(0)
+    ref, x = _Gated().double(), torch.randn(8, 4, 16, dtype=torch.float64)
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("data",)), (x,), compile=False)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (pmodel, ref)]
+    diffs, sent = {"output": 0.0, "grad": 0.0}, None
+    for _ in range(2):
+        fsdp = _FsdpTraffic(2)
+        with count_comm() as log, fsdp:
+            out = pmodel(x)
+            out.square().mean().backward()
+        sent = log.total_bytes + sum(b for _, b in fsdp.calls) if sent is None else sent
+        expected = ref(x)
+        expected.square().mean().backward()
+        diffs["output"] = max(diffs["output"], max_diff(out, expected))
+        diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
+                                             for p, q in zip(pmodel.parameters(), ref.parameters())))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    params = dict(pmodel.named_parameters())
+    return {**diffs, "param": max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters())),
+            "placements": {name: tuple(p.placements) for name, p in params.items()},
+            "sent": sent, "predicted": pmodel.plan.comm_bytes, "data_parallel": pmodel.plan.data_parallel}
+
+
+def test_fsdp_keeps_scalar_parameters_whole_and_trains_like_one_device(ranks2):
+    """FSDP2 shards a parameter's dim 0, which a scalar lacks: `fully_shard` refused CLIP's logit_scale,
+    so FSDP, the default on a data axis, failed on it. A scalar now stays whole on the data axis and the
+    program sums its gradient over it, as under DDP, beside FSDP's units of the other weights."""
+    captured = capture(_Gated(), (torch.randn(8, 4, 16),), {})
+    assert sorted(set(layer_units(list(captured.gm.graph.nodes), captured.params).values())) == ["layers.0", "layers.1"]
+    for r in ranks2.run(_gated_steps):
+        assert r["data_parallel"] == "fsdp", r
+        scalars = ("logit_scale", "layers.0.alpha", "layers.1.alpha")
+        assert all(r["placements"][name] == (Replicate(),) for name in scalars), r["placements"]
+        assert all(pl == (Shard(0),) for name, pl in r["placements"].items() if name not in scalars), r
+        assert r["sent"] == r["predicted"], r
+        for key in ("output", "grad", "param"):
+            assert r[key] <= 1e-14, (key, r)
+
+
 class _ReturnsItsEmbedding(nn.Module):
     """A model that returns a weight beside its output (an embedding for a tied loss outside)."""
 

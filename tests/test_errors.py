@@ -418,36 +418,6 @@ def _fsdp_of_mixed_dtypes() -> str:
     return ""
 
 
-class _ScaledLogits(torch.nn.Module):
-    """CLIP's learned temperature: a scalar parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.logit_scale = torch.nn.Linear(16, 16), torch.nn.Parameter(torch.tensor(2.0))
-
-    def forward(self, x):
-        return self.fc(x) * self.logit_scale.exp()
-
-
-def _fsdp_of_a_scalar(data_parallel: str) -> str:
-    torch.manual_seed(0)
-    try:
-        pmodel = autojigsaw.parallelize(_ScaledLogits(), get_mesh((2,), ("data",)), (X,), compile=False,
-                                        data_parallel=data_parallel)
-        pmodel(X).sum().backward()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
-def test_fsdp_of_a_scalar_parameter_is_refused_and_ddp_runs(ranks2):
-    # FSDP2's own ValueError from deep inside fully_shard: "doesn't support scalar parameters"
-    for error in ranks2.run(_fsdp_of_a_scalar, "fsdp"):
-        assert error.startswith("data_parallel='fsdp' on mesh axis 'data' shards every parameter along its first "
-                                "dim, and 'logit_scale' is a scalar. Use data_parallel='ddp'"), error
-    assert ranks2.run(_fsdp_of_a_scalar, "ddp") == ["no error"] * 2
-
-
 def test_fsdp_of_parameters_of_two_dtypes_is_refused(ranks2):
     # FSDP2's own AssertionError: 'FSDP expects uniform original parameter dtype'
     for error in ranks2.run(_fsdp_of_mixed_dtypes):

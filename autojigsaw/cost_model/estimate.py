@@ -23,6 +23,7 @@ from torch.fx import Node
 from ..ir import Strategy, adjoint, bytes_sent, output_values, redistribute_steps, step_input_numel, tensor_inputs
 from ..kernels import registry
 from ..mesh import MeshSpec
+from ..modules import fsdp_shards
 from ..placements import Placements, local_shape
 from ..training import Regime, data_axes
 from .comm import collective_time
@@ -52,18 +53,18 @@ class CostContext:
         axes = data_axes(self.mesh) if self.regime.fsdp else ()
         return axes[0] if axes and self.mesh.sizes[axes[0]] > 1 else None
 
-    def param_memory(self, itemsize: int) -> ParamMemory:
-        """What a parameter computed with `itemsize`-byte elements keeps, under this regime."""
-        axis = self.fsdp_axis
+    def param_memory(self, value) -> ParamMemory:
+        """What a parameter (its graph value: dtype and shape) keeps, under this regime."""
+        axis, itemsize = self.fsdp_axis, value.dtype.itemsize
         return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
-                              fsdp_ranks=self.mesh.sizes[axis] if axis is not None else 1,
+                              fsdp_ranks=self.mesh.sizes[axis] if axis is not None and fsdp_shards(value) else 1,
                               reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize))
 
-    def fsdp_comm(self, nbytes, itemsize: int, trained: bool = True):
-        """(seconds, bytes sent) of FSDP's traffic for a parameter of `nbytes` local compute bytes:
-        gathered for forward and again for backward, its gradient reduce-scattered if it is `trained`."""
-        axis = self.fsdp_axis
-        if axis is None or not self.training:
+    def fsdp_comm(self, nbytes, value, trained: bool = True):
+        """(seconds, bytes sent) of FSDP's traffic for a parameter (its graph value) of `nbytes` local compute
+        bytes: gathered for forward and again for backward, its gradient reduce-scattered if it is `trained`."""
+        axis, itemsize = self.fsdp_axis, value.dtype.itemsize
+        if axis is None or not self.training or not fsdp_shards(value):
             return 0.0, 0
         n, link = self.mesh.sizes[axis], self.link(axis)
         grad_bytes = nbytes * self.regime.precision.reduce_itemsize(itemsize) / itemsize if trained else 0.0
@@ -117,10 +118,10 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         sizes = ctx.mesh.sizes
         local = _local(tuple(val.shape), tuple(s.outputs[0] for s in strategies), sizes)
         nbytes = np.prod(local, axis=1) * val.dtype.itemsize
-        masters = nbytes * ctx.param_memory(val.dtype.itemsize).state  # what the optimizer step reads
+        masters = nbytes * ctx.param_memory(val).state  # what the optimizer step reads
         step = (memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer") if grad
                 else np.zeros_like(nbytes))
-        return NodeCosts(step + ctx.fsdp_comm(nbytes, val.dtype.itemsize, trained=grad)[0])
+        return NodeCosts(step + ctx.fsdp_comm(nbytes, val, trained=grad)[0])
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)
     time = _default_times(node, tuple(strategies), ctx, grad, operand_grads)

@@ -278,15 +278,15 @@ class _Vectors:
 def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
                  kernel_saved: dict[int, np.ndarray] | None = None,
-                 param_memory: Callable[[int], ParamMemory] | None = None,
+                 param_memory: Callable[[torch.Tensor], ParamMemory] | None = None,
                  params: dict[str, str] | None = None) -> MemoryModel:
     """The items of one step. `persistent`: parameter and buffer placeholders (live always);
     `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default);
-    `param_memory(itemsize)`: what each of `params` (placeholder -> FQN) keeps (mixed precision, FSDP);
+    `param_memory(value)`: what each of `params` (placeholder -> FQN) keeps (mixed precision, FSDP);
     None: plain training.
     """
     params = params or {}
-    param_memory = param_memory or (lambda itemsize: ParamMemory())
+    param_memory = param_memory or (lambda value: ParamMemory())
     model = MemoryModel([n.name for n in nodes], training)
     n = len(nodes)
     end = model.n_points - 1
@@ -388,7 +388,7 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             continue
         v = model.vector(out_bytes[i])
         if node.name in persistent:
-            pm = param_memory(output_values(node)[0].dtype.itemsize) if node.name in params else ParamMemory()
+            pm = param_memory(output_values(node)[0]) if node.name in params else ParamMemory()
             model.lin.append(LinearItem(i, v, 0, end, pm.resident))
             first, last = gathered_span.get(node.name, (0, n - 1))
             if pm.gathered and i in first_read:  # FSDP: gathered while its unit runs, forward and backward;
@@ -423,7 +423,7 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(i), 1.0))
     if training and optimizer.temporaries:
         members = tuple(Member(i, model.vector(out_bytes[i]),
-                               optimizer.temporaries * param_memory(output_values(node)[0].dtype.itemsize).state)
+                               optimizer.temporaries * param_memory(output_values(node)[0]).state)
                         for i, node in enumerate(nodes) if node.name in persistent and grad.get(node.name, False))
         if members:  # one parameter at a time: the largest
             model.maxes.append(MaxItem(members, end, end))

@@ -27,8 +27,7 @@ def with_fsdp_traffic(plan: Plan, captured: Captured, ctx: CostContext, grad: di
     fsdp_s, fsdp_bytes = 0.0, 0
     for name in captured.params:
         local = local_shape(tuple(values[name].shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
-        s, b = ctx.fsdp_comm(math.prod(local) * values[name].dtype.itemsize, values[name].dtype.itemsize,
-                             trained=grad[name])
+        s, b = ctx.fsdp_comm(math.prod(local) * values[name].dtype.itemsize, values[name], trained=grad[name])
         fsdp_s, fsdp_bytes = fsdp_s + float(s), fsdp_bytes + int(b)
     if not fsdp_s:
         return plan

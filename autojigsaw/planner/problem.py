@@ -15,6 +15,7 @@ from torch.fx import GraphModule, Node
 from ..cost_model.estimate import CostContext, EdgeCosts, consumer_partial_axes, edge_costs, node_costs
 from ..cost_model.liveness import MemoryModel, build_memory
 from ..ir import STRATEGIES, Strategy, output_values, tensor_inputs
+from ..modules import fsdp_shards
 from .layers import tie_groups
 
 
@@ -109,7 +110,8 @@ def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], gra
             val = output_values(src)[o]
             key = (id(strategies[index[src]]), o, id(dst), k, grad[src.name], tuple(val.shape), val.dtype,
                    src.name in params)
-            fsdp = ctx.fsdp_axis if src.name in params else None  # FSDP sums these gradients itself
+            # FSDP sums these gradients itself (a scalar's: the graph, as under DDP)
+            fsdp = ctx.fsdp_axis if src.name in params and fsdp_shards(val) else None
             if key not in cache:
                 cache[key] = edge_costs(val, _outputs(strategies[index[src]], o),
                                         tuple(s.inputs[k] for s in dst),

@@ -39,12 +39,12 @@ COLLECTIVES = {C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.sha
 
 
 def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str], *,
-                   fsdp_axis: int | None = None) -> None:
+                   fsdp_axis: int | None = None, fsdp_params: set[str] = frozenset()) -> None:
     """Set `grad=` on every collective, insert gradient masks and all-reduces (in place).
 
     `sources`: names of the placeholders whose gradient is wanted (parameters, inputs);
     `params`: those that are parameters; `fsdp_axis`: the mesh axis over which FSDP
-    reduce-scatters the parameters' gradients itself (their partial sums are left to it).
+    reduce-scatters the gradients of `fsdp_params` itself (their partial sums are left to it).
     """
     graph = gm.graph
     grad = needs_grad(gm, sources)
@@ -61,7 +61,7 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str], *
             if not multi:  # a tuple's readers are getitems, which settle themselves
                 _agree(graph, node, {a: (kinds[(node, idx, a)], said[a]) for a in axes}, rank)
                 if node.op == "placeholder":
-                    summed_by_fsdp = fsdp_axis if node.name in params else None
+                    summed_by_fsdp = fsdp_axis if node.name in fsdp_params else None
                     _sum_gradient_at(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P
                                                    and a != summed_by_fsdp], rank)
                     if summed_by_fsdp in axes and kinds[(node, idx, summed_by_fsdp)] == GradKind.R:

@@ -20,7 +20,7 @@ from ..ir import (AXIS, GLOBAL, KERNEL, ORIGIN, PLACEMENTS, Collective, GradKind
                   step_sizes, tensor_inputs)
 from ..kernels import collectives, registry
 from ..mesh import RankView
-from ..modules import layer_units
+from ..modules import fsdp_shards, layer_units
 from ..placements import Placements
 from ..plan import Plan
 from ..strategies.dtensor_rules import local_call
@@ -51,6 +51,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
     """The local-shard graph of `rank` for `plan` (gradient collectives set when training)."""
     by_name = {n.name: n for n in plan.nodes}
     _check_matches(captured, by_name)
+    fsdp = plan.data_parallel == "fsdp"
     graph = Graph()
     env: dict[Node, Node] = {}
     moved: dict[tuple, Node] = {}  # (producer, output index, placements) -> moved value
@@ -65,7 +66,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         elif node.op == "output":
             values = [_moved(env, moved, graph, src, i, pl, rank, node.name)
                       for (src, i), pl in zip(tensor_inputs(node), spec.inputs)]
-            if plan.data_parallel == "fsdp":
+            if fsdp:
                 values = [_own_storage(graph, v, captured.params) for v in values]
             outputs = iter(values)
             flat = [next(outputs) if isinstance(a, Node) and src_is_tensor(a)
@@ -78,9 +79,11 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
     gm = GraphModule(captured.gm, graph)
     if training:
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params),
-                       fsdp_axis=data_axes(plan.mesh)[0] if plan.data_parallel == "fsdp" else None)
+                       fsdp_axis=data_axes(plan.mesh)[0] if fsdp else None,
+                       fsdp_params={n.name for n in captured.gm.graph.nodes
+                                    if n.name in captured.params and fsdp_shards(n.meta["val"])})
     fuse_collectives(gm)
-    units = layer_units(list(captured.gm.graph.nodes), captured.params) if plan.data_parallel == "fsdp" else None
+    units = layer_units(list(captured.gm.graph.nodes), captured.params) if fsdp else None
     bucket_collectives(gm, captured, rank, units)
     gm.recompile()
     return gm

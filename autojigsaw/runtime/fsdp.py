@@ -8,7 +8,9 @@ runs through it, so FSDP gathers the layer's weights before it runs, frees them 
 them again for its backward and reduce-scatters their gradients when it is done, as torchtitan's
 per-block wrapping does. A root holder, the units' parent, keeps every other weight (embeddings,
 a tied head, final norms) gathered for the whole forward and the whole backward. The model's
-modules are pointed at the sharded parameters, which the optimizer and checkpoints see.
+modules are pointed at the sharded parameters, which the optimizer and checkpoints see. A scalar
+parameter (CLIP's logit_scale) has no dim for FSDP to shard: it stays parallelize's whole DTensor, and the
+program sums its gradient over the data axis, as under DDP.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.fx import GraphModule
 
 from ..capture import Captured
 from ..mesh import MeshSpec
-from ..modules import layer_units
+from ..modules import fsdp_shards, layer_units
 from ..training import Regime, data_axes
 
 
@@ -73,9 +75,12 @@ class FsdpUnits:
     layer_of: dict[str, str]
     units: dict[str, _Holder]
 
-    def feed(self, placeholder: str) -> torch.Tensor | None:
-        """A root weight as gathered now (within `run`); None for a layer's, which its unit gives its piece."""
-        return None if placeholder in self.layer_of else self.root.local(placeholder)
+    def feed(self, placeholder: str, whole: torch.Tensor) -> torch.Tensor | None:
+        """A weight as the program reads it now (within `run`): a root weight as gathered, None for a layer's
+        (its unit gives it to its piece), `whole` (this rank's tensor) for one FSDP leaves whole (a scalar)."""
+        if placeholder in self.layer_of:
+            return None
+        return self.root.local(placeholder) if placeholder in self.root._parameters else whole
 
     def run(self, program: Callable[[], object]):
         """program() within the root unit: its weights gathered, the layers' units inside it."""
@@ -114,15 +119,16 @@ def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Re
         return None
     axis = device_mesh.mesh_dim_names[axes[0]]
     _check_one_dtype(model, axis)
-    _check_no_scalars(model, axis)
     layer_of = layer_units(list(captured.gm.graph.nodes), captured.params)
     by_unit: dict[str | None, dict[str, nn.Parameter]] = {}
     placed = set()
     for placeholder, fqn in captured.params.items():
         p = model.get_parameter(fqn)
-        by_unit.setdefault(layer_of.get(placeholder), {})[placeholder] = p
         placed.add(id(p))
-    rest = {f"unused_{k}": p for k, (fqn, p) in enumerate(model.named_parameters()) if id(p) not in placed}
+        if fsdp_shards(p):
+            by_unit.setdefault(layer_of.get(placeholder), {})[placeholder] = p
+    rest = {f"unused_{k}": p for k, (fqn, p) in enumerate(model.named_parameters())
+            if id(p) not in placed and fsdp_shards(p)}
     by_unit.setdefault(None, {}).update(rest)
     units = {layer: _Holder(params) for layer, params in by_unit.items() if layer is not None}
     root = _Holder(by_unit[None])
@@ -155,7 +161,8 @@ def _check_one_dtype(module: torch.nn.Module, axis: str) -> None:
     """FSDP2 shards a module's parameters as one flat group of one dtype (else a bare AssertionError)."""
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, p in module.named_parameters():
-        by_dtype.setdefault(p.dtype, []).append(name)
+        if fsdp_shards(p):
+            by_dtype.setdefault(p.dtype, []).append(name)
     if len(by_dtype) > 1:
         dtype, names = min(by_dtype.items(), key=lambda kv: len(kv[1]))
         raise ValueError(
@@ -163,15 +170,3 @@ def _check_one_dtype(module: torch.nn.Module, axis: str) -> None:
             f"have dtypes {sorted(str(d) for d in by_dtype)} ({names[0]!r} is {dtype}). "
             "Give every parameter one dtype (a complex weight as a real one of shape [..., 2], "
             "torch.view_as_complex in the forward), or use data_parallel='ddp'")
-
-
-def _check_no_scalars(module: torch.nn.Module, axis: str) -> None:
-    """FSDP2 shards each parameter's dim 0, and a scalar has none (CLIP's logit_scale): a bare error from
-    inside fully_shard otherwise."""
-    scalars = [name for name, p in module.named_parameters() if p.ndim == 0]
-    if scalars:
-        raise ValueError(
-            f"data_parallel='fsdp' on mesh axis {axis!r} shards every parameter along its first dim, and "
-            f"{scalars[0]!r} is a scalar{f' (and {len(scalars) - 1} more)' if len(scalars) > 1 else ''}. Use "
-            "data_parallel='ddp' (the weights whole on that axis, their gradients summed over it), or make it a "
-            "tensor of shape [1]")

@@ -302,7 +302,7 @@ class ParallelModule(nn.Module):
         root's gathered one, and None for a layer's (its unit feeds it to the layer's piece)."""
         local = self._local_parameter(self._captured.params[placeholder])  # (checks it is still parallelize's)
         if self._units is not None:
-            local = self._units.feed(placeholder)
+            local = self._units.feed(placeholder, local)
         return None if local is None else self._compute_copy(local)
 
     def _local_parameter(self, fqn: str) -> torch.Tensor:
