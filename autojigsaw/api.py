@@ -44,6 +44,7 @@ from .runtime.materialize import materialize_model
 from .runtime.module import ParallelModule, Program
 from .runtime.one_plan import planned_on_rank0
 from .runtime.one_program import follow_rank0_order
+from .runtime.regional import compile_pieces
 from .runtime.same_values import check_same_values, values_to_agree
 from .strategies.annotate import annotate
 from .strategies.data_pins import data_pins
@@ -273,8 +274,8 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
     split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
-    if units is not None and pieces:
-        units.wrap(split, pieces, functools.partial(_compiled, compile=compile))
+    if units is not None and pieces:  # FSDP's hooks run between the pieces: each compiled on its own
+        units.wrap(split, pieces, compile_pieces(split, functools.partial(_compiled, compile=compile)))
         run = split
     else:
         run = _compiled(split, compile)

@@ -20,7 +20,7 @@ from autojigsaw.capture import capture
 from autojigsaw.ir import bytes_sent
 from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.modules import layer_units
-from autojigsaw.runtime import fsdp as fsdp_runtime
+from autojigsaw.runtime import regional
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .cost_checks import measure_step
@@ -160,12 +160,12 @@ def _compiles_and_diffs(depth: int) -> dict:
     ref, (x,) = _stack(depth, 16)
     ref, x = ref.double(), x.double()
     computations = []  # what each piece of the program computes (None: never shared)
-    alike = fsdp_runtime._computation
-    fsdp_runtime._computation = lambda piece: computations.append(alike(piece)) or computations[-1]
+    alike = regional.computation
+    regional.computation = lambda piece: computations.append(alike(piece)) or computations[-1]
     try:  # the program is made here, for the example input
         pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("data",)), (x,), compile="counting")
     finally:
-        fsdp_runtime._computation = alike
+        regional.computation = alike
     opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (pmodel, ref)]
     diffs = {"output": 0.0, "grad": 0.0}
     for _ in range(2):

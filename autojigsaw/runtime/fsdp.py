@@ -23,9 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.fx import GraphModule, Node
-from torch.fx.node import map_arg
-from torch.utils import _pytree as pytree
+from torch.fx import GraphModule
 
 from ..capture import Captured
 from ..mesh import MeshSpec
@@ -88,19 +86,12 @@ class FsdpUnits:
         """program() within the root unit: its weights gathered, the layers' units inside it."""
         return self.root(program, {})
 
-    def wrap(self, split: GraphModule, pieces: dict[str, str], compiled: Callable[[nn.Module], nn.Module]) -> None:
-        """Every piece of `split` `compiled` (FSDP's hooks stay outside torch.compile), and each layer's piece
-        (`pieces`: submodule name -> layer) run through its unit. Pieces that compute alike (the repeated
-        layers) share one compiled module: torch.compile traces and compiles each distinct piece once."""
-        seen, made = set(), {}
+    def wrap(self, split: GraphModule, pieces: dict[str, str], runs: dict[str, nn.Module]) -> None:
+        """Every piece of `split` replaced by its run (`runs`: compiled, FSDP's hooks outside torch.compile),
+        each layer's piece (`pieces`: submodule name -> layer) through its unit."""
+        seen = set()
         for name, piece in list(split.named_children()):
-            key = _computation(piece)
-            if key is None:
-                run = compiled(piece)
-            elif key in made:
-                run = made[key]
-            else:
-                run = made[key] = compiled(piece)
+            run = runs[name]
             layer = pieces.get(name)
             if layer not in self.units:
                 setattr(split, name, run)
@@ -119,31 +110,6 @@ class FsdpUnits:
                 if outside:
                     raise RuntimeError(f"autojigsaw: weight {node.name!r} of FSDP unit {self.layer_of[node.name]!r} "
                                        f"is read outside its layer, by {outside}; please report it")
-
-
-def _computation(piece: nn.Module) -> tuple | None:
-    """What a piece of the program computes, its nodes' names aside: equal for the pieces of two layers that
-    run the same ops on their own inputs, so one may run the other's. None for a piece that reads tensors or
-    modules of its own (never shared)."""
-    inner = getattr(piece, "module", piece)
-    index: dict[Node, int] = {}
-    rows: list = [getattr(piece, "policy", None)]  # a Checkpointed layer's recomputation
-    for node in inner.graph.nodes:
-        if node.op in ("get_attr", "call_module"):
-            return None
-        args = map_arg((node.args, node.kwargs), lambda n: _Ref(index[n]))
-        if any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(args)):
-            return None
-        index[node] = len(index)
-        rows.append((node.op, None if node.op == "placeholder" else node.target, repr(args)))
-    return tuple(rows)
-
-
-class _Ref(int):
-    """A node's place in its piece, as _computation compares arguments."""
-
-    def __repr__(self):
-        return f"%{int(self)}"
 
 
 def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Regime) -> FsdpUnits | None:
