@@ -299,7 +299,8 @@ class ParallelModule(nn.Module):
 
     def _weight(self, placeholder: str) -> torch.Tensor | None:
         """A weight as the program reads it: this rank's tensor in the compute dtype; under FSDP's units the
-        root's gathered one, and None for a layer's (its unit feeds it to the layer's piece)."""
+        root's gathered one, None for a layer's (its unit feeds it to the layer's piece), and this rank's
+        tensor for one FSDP leaves whole (a scalar)."""
         local = self._local_parameter(self._captured.params[placeholder])  # (checks it is still parallelize's)
         if self._units is not None:
             local = self._units.feed(placeholder, local)
