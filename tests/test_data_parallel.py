@@ -5,6 +5,7 @@ all-reduced over it. Training on 3-D ("data", "domain", "tensor") meshes, and wi
 `fully_shard` then sharding the weights over the data axis, must equal the single-device model.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -104,6 +105,26 @@ def test_fsdp_alone_sums_the_weights_gradients_over_the_data_axis(ranks4):
         assert r["grad"] <= 64 * 2.0**-52 * r["grad_scale"], r
 
 
+def _two_adam_steps(pmodel, ref, x, around=contextlib.nullcontext) -> dict:
+    """Largest differences from one device (`ref`) over two Adam steps of the output's mean square: outputs,
+    gradients, then parameters. `around()`: a context each step's parallel forward and backward run in."""
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (pmodel, ref)]
+    diffs = {"output": 0.0, "grad": 0.0}
+    for _ in range(2):
+        with around():
+            out = pmodel(x)
+            out.square().mean().backward()
+        expected = ref(x)
+        expected.square().mean().backward()
+        diffs["output"] = max(diffs["output"], max_diff(out, expected))
+        diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
+                                             for p, q in zip(pmodel.parameters(), ref.parameters())))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {**diffs, "param": max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters()))}
+
+
 class _Block(nn.Module):
     def __init__(self, width: int):
         super().__init__()
@@ -166,20 +187,7 @@ def _compiles_and_diffs(depth: int) -> dict:
         pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("data",)), (x,), compile="counting")
     finally:
         regional.computation = alike
-    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (pmodel, ref)]
-    diffs = {"output": 0.0, "grad": 0.0}
-    for _ in range(2):
-        out, expected = pmodel(x), ref(x)
-        for o in (out, expected):
-            o.square().mean().backward()
-        diffs["output"] = max(diffs["output"], max_diff(out, expected))
-        diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
-                                             for p, q in zip(pmodel.parameters(), ref.parameters())))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    return {**diffs, "param": max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters())),
-            "compiles": len(_COMPILED), "pieces": len(computations),
+    return {**_two_adam_steps(pmodel, ref, x), "compiles": len(_COMPILED), "pieces": len(computations),
             "distinct": len({c for c in computations if c is not None}) + computations.count(None)}
 
 
@@ -295,26 +303,18 @@ def _gated_steps() -> dict:
     torch.manual_seed(0)
     ref, x = _Gated().double(), torch.randn(8, 4, 16, dtype=torch.float64)
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("data",)), (x,), compile=False)
-    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (pmodel, ref)]
-    diffs, sent = {"output": 0.0, "grad": 0.0}, None
-    for _ in range(2):
+    sent = []
+
+    @contextlib.contextmanager
+    def counted():
         fsdp = _FsdpTraffic(2)
         with count_comm() as log, fsdp:
-            out = pmodel(x)
-            out.square().mean().backward()
-        sent = log.total_bytes + sum(b for _, b in fsdp.calls) if sent is None else sent
-        expected = ref(x)
-        expected.square().mean().backward()
-        diffs["output"] = max(diffs["output"], max_diff(out, expected))
-        diffs["grad"] = max(diffs["grad"], *(max_diff(p.grad.full_tensor(), q.grad)
-                                             for p, q in zip(pmodel.parameters(), ref.parameters())))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    params = dict(pmodel.named_parameters())
-    return {**diffs, "param": max(max_diff(p.full_tensor(), q) for p, q in zip(pmodel.parameters(), ref.parameters())),
-            "placements": {name: tuple(p.placements) for name, p in params.items()},
-            "sent": sent, "predicted": pmodel.plan.comm_bytes, "data_parallel": pmodel.plan.data_parallel}
+            yield
+        sent.append(log.total_bytes + sum(b for _, b in fsdp.calls))
+
+    diffs = _two_adam_steps(pmodel, ref, x, counted)
+    return {**diffs, "placements": {name: tuple(p.placements) for name, p in pmodel.named_parameters()},
+            "sent": sent[0], "predicted": pmodel.plan.comm_bytes, "data_parallel": pmodel.plan.data_parallel}
 
 
 def test_fsdp_keeps_scalar_parameters_whole_and_trains_like_one_device(ranks2):
