@@ -129,6 +129,9 @@ class MemoryModel:
     # Copies an op makes of an input and saves (a boolean mask made float), by the node: index into
     # lin -> node (what a selective policy recomputes even where it keeps the node's outputs).
     remade_lin: dict[int, int] = field(default_factory=dict)
+    # Each moved copy its consumer does not save, over no point yet (from just after the consumer):
+    # what a selective policy's cache holds, as the output of a collective, until the layer's backward.
+    unsaved_moves: list[PairItem] = field(default_factory=list)
     _ids: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -369,6 +372,8 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             elif keeps:  # a gathered parameter, saved for backward
                 model.kept_pairs[len(model.pairs)] = k
                 model.pairs.append(moved(none_src, model.vector(in_b), fwd(k) + 1, bwd(k)))
+            else:
+                model.unsaved_moves.append(moved(none_src, model.vector(in_b), fwd(k) + 1, fwd(k)))
             if training and grad.get(node.name, False) and grad.get(src.name, False):
                 # backward: the input's gradient in this placement and the working copies moving it back
                 back = in_b + vec.working(val, strategies[k], input=j)
