@@ -36,6 +36,7 @@ RUNS = {
     "vs_transformers_tp": {"full": [], "quick": ["--reps", "3"], "tiny": None},
     "gloo_links": {"full": [], "quick": ["--worlds", "2", "--reps", "5"], "tiny": None},
     "fsdp_memory": {"full": [], "quick": [], "tiny": None},
+    "recompute_memory": {"full": [], "quick": ["--models", "llama", "vit", "convnextv2"], "tiny": None},
 }
 
 
