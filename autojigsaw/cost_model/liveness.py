@@ -367,8 +367,9 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             model.pairs.append(moved(model.vector(vec.working(val, strategies[i], output=o)), model.vector(in_b),
                                      fwd(k), fwd(k)))
             persists = keeps and nodes[r].name not in persistent
-            if persists and last_read[r] > fwd(k):
-                model.pairs.append(moved(none_src, model.vector(in_b), fwd(k) + 1, last_read[r]))
+            if persists:  # a saved activation: its saved item holds the moved copy from the value's last read
+                if last_read[r] > fwd(k):
+                    model.pairs.append(moved(none_src, model.vector(in_b), fwd(k) + 1, last_read[r]))
             elif keeps:  # a gathered parameter, saved for backward
                 model.kept_pairs[len(model.pairs)] = k
                 model.pairs.append(moved(none_src, model.vector(in_b), fwd(k) + 1, bwd(k)))
