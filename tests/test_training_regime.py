@@ -25,6 +25,8 @@ from autojigsaw.cost_model.memory import saved_for_backward
 from autojigsaw.planner.milp import SolverTimeout
 from autojigsaw.testing.local_ranks import get_mesh
 
+from .cost_checks import measure_step
+from .hf_models import hf_model
 from .side_by_side import build, loss_of
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -254,24 +256,27 @@ def _conv_recompute_run(plan_json: str) -> dict:
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False,
                                     plan=Plan.from_json(plan_json))
     opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
-    tracker = MemTracker()
-    tracker.track_external(pmodel, opt)
-    with tracker:
-        pmodel(*inputs).square().mean().backward()
-    opt.step()
-    peak = int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+    pmodel(*inputs).square().mean().backward()
     ref(*inputs).square().mean().backward()
     scale = max(q.grad.abs().max().item() for q in ref.parameters())
     err = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
-    return {"grad": err / scale, "peak": peak}
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tracker = MemTracker()  # the second step, with the optimizer's states, as the plan prices it
+    tracker.track_external(pmodel, opt)
+    with tracker:
+        pmodel(*inputs).square().mean().backward()
+        opt.step()
+    return {"grad": err / scale, "peak": int(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])}
 
 
-def test_selective_recomputation_of_convolutions_and_collectives_frees_the_predicted_memory(ranks2):
+def test_selective_recomputation_of_convolutions_and_collectives_takes_the_predicted_memory(ranks2):
     """torch's selective checkpoint (the runtime's) recomputes convolutions, as torchtitan's save list,
     and caches a collective's output until the layer's backward even where no reader saves it: the
     plan's first block splits its channels, so its second convolution's partial sums are all-reduced
     inside the layer. Before, the plan predicted that selective recomputation added memory here
-    (-262 KiB: convolutions kept) where it freed 1 MiB."""
+    (-262 KiB: convolutions kept) where it freed 1 MiB. The recomputed peaks are within 0.2 % (the
+    plan without recomputation is 9.8 % under: not this test's concern)."""
     model, inputs = _conv_stack()
     base = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu")
     assert any(n.outputs == ((Partial(),),) for n in base.nodes if n.module == "layers.0.conv2"), base
@@ -284,9 +289,27 @@ def test_selective_recomputation_of_convolutions_and_collectives_frees_the_predi
         measured[policy], predicted[policy] = r["peak"], plan.memory_per_rank
     assert measured["none"] > measured["selective"] > measured["full"], measured
     for policy in ("selective", "full"):
-        drop, want = measured["none"] - measured[policy], predicted["none"] - predicted[policy]
-        assert abs(drop - want) <= 0.15 * want, (policy, measured, predicted)
+        assert abs(predicted[policy] - measured[policy]) <= 0.05 * measured[policy], (policy, measured, predicted)
 
+
+def _convnext_batch_of_8():
+    """transformers' ConvNeXt V2 (tests/hf_models.py) on 8 images."""
+    model, inputs = hf_model("convnextv2")
+    return model.train(), (torch.randn(8, *inputs[0].shape[1:], generator=torch.Generator().manual_seed(1)),)
+
+
+def test_a_residual_gradient_is_held_from_its_first_contribution(ranks2):
+    """A residual block's input is read by its first convolution and by the residual add; in the
+    backward autograd holds its gradient from the add's contribution, through the whole block, to
+    the convolution's. The memory model counted it from the last contribution: ConvNeXt V2 with
+    every stage recomputed peaks in a stage's backward, and was predicted 13.8 % under; now 1.5 %."""
+    model, inputs = _convnext_batch_of_8()
+    links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
+    planned = autojigsaw.plan(model, inputs, {"tensor": 2}, device=links, activation_checkpointing="full")
+    assert {policy for _, policy in planned.recompute} == {"full"} and len(planned.recompute) == 2, planned.recompute
+    for r in ranks2.run(measure_step, _convnext_batch_of_8, (), (2,), ("tensor",), plan=planned.to_json(),
+                        device=links):
+        assert abs(r.memory_error) <= 0.05, (r.predicted_peak, r.peak)
 
 def _bf16_run(plan_json: str) -> dict:
     ref, inputs = build("mixer", dtype=torch.float32)

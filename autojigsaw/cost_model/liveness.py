@@ -313,14 +313,14 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
 
     last_read = {r: fwd(r) for r in range(n)}
     first_read: dict[int, int] = {}
-    last_grad_read: dict[int, int] = {}
+    grad_from: dict[int, int] = {}  # autograd holds a gradient from its first contribution (the last reader's)
     for k, node in enumerate(nodes):
         for src, _ in tensor_inputs(node):
             r = root[index[src]]
             last_read[r] = max(last_read[r], fwd(k))
             first_read.setdefault(r, fwd(k))
             if grad.get(src.name, False) and (node.op == "output" or grad.get(node.name, False)):
-                last_grad_read[r] = max(last_grad_read.get(r, -1), bwd(k))
+                grad_from[r] = min(grad_from.get(r, bwd(k)), bwd(k))
 
     # FSDP's units (runtime/fsdp.py): a layer's own weights are gathered while its stretch of nodes runs,
     # the root's (every other weight) for the whole forward and the whole backward
@@ -406,11 +406,11 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
                     model.lin.append(LinearItem(i, v, bwd(last), bwd(last), 1.0))
             if training and grad.get(node.name, False):
                 model.lin.append(LinearItem(i, v, 0, end, optimizer.states * pm.state))
-                if i in last_grad_read:
+                if i in grad_from:
                     if pm.gathered:  # the unsharded gradient, until its unit's reduce-scatter copies it in
-                        model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(first), 1.0))
+                        model.lin.append(LinearItem(i, v, grad_from[i], bwd(first), 1.0))
                         model.lin.append(LinearItem(i, v, bwd(first), bwd(first), pm.scatter))
-                    model.lin.append(LinearItem(i, v, last_grad_read[i], end, pm.grad))
+                    model.lin.append(LinearItem(i, v, grad_from[i], end, pm.grad))
             continue
         saved_by = savers.get(i, [])
         if not saved_by:
@@ -425,8 +425,8 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             else:
                 model.kept_maxes[len(model.maxes)] = i
                 model.maxes.append(MaxItem(tuple(saved_by), last_read[i] + 1, bwd(first)))
-        if training and grad.get(node.name, False) and i in last_grad_read:
-            model.lin.append(LinearItem(i, v, last_grad_read[i], bwd(i), 1.0))
+        if training and grad.get(node.name, False) and i in grad_from:
+            model.lin.append(LinearItem(i, v, grad_from[i], bwd(i), 1.0))
     if training and optimizer.temporaries:
         members = tuple(Member(i, model.vector(out_bytes[i]),
                                optimizer.temporaries * param_memory(output_values(node)[0]).state)
