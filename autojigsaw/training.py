@@ -2,9 +2,10 @@
 
 Plain, checked data shared by every stage: `Precision` reads torch's own FSDP2
 `MixedPrecisionPolicy`; `Recompute` is torchtitan's vocabulary ("selective" keeps matmul and
-attention outputs and recomputes the rest, convolutions included, "full" keeps only a layer's input); `DataParallel`
-says what a mesh axis named "data"/"dp" does with the weights ("fsdp" shards them, parameters,
-gradients and optimizer state, "ddp" keeps them whole and all-reduces gradients).
+attention outputs and recomputes the rest, convolutions included, "full" keeps only a layer's
+input); `DataParallel` says what a mesh axis named "data"/"dp" does with the weights ("fsdp"
+shards them, parameters, gradients and optimizer state, "ddp" keeps them whole and all-reduces
+gradients).
 """
 
 from __future__ import annotations

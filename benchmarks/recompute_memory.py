@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-import torch
-
 import autojigsaw
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.testing.local_ranks import LocalRanks
 from tests.cost_checks import measure_step
-from tests.hf_models import hf_model
+from tests.hf_models import batch_of_8
 
 from .common import Report, kib
 
@@ -30,22 +28,14 @@ POLICIES = ("none", "selective", "full")
 LINKS = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
 
 
-def batch_of_8(name: str):
-    """The test model `name` in training mode with a seeded batch of 8 (64 tokens, or its image size)."""
-    model, inputs = hf_model(name)
-    g = torch.Generator().manual_seed(1)
-    x = inputs[0]
-    x = torch.randint(0, 128, (8, 64), generator=g) if x.dtype == torch.long else torch.randn(8, *x.shape[1:], generator=g)
-    return model.train(), (x,)
-
-
 def _plans(name: str) -> dict[str, autojigsaw.Plan]:
     """One sharding, priced with each policy on every layer the planner would recompute."""
     model, inputs = batch_of_8(name)
     full = autojigsaw.plan(model, inputs, {"tensor": 2}, device=LINKS, activation_checkpointing="full")
     layers = [layer for layer, _ in full.recompute]
-    return {p: autojigsaw.evaluate(replace(full, recompute=tuple((layer, p) for layer in layers) if p != "none" else ()),
-                                   model, inputs, device=LINKS) for p in POLICIES}
+    recompute = {p: tuple((layer, p) for layer in layers) if p != "none" else () for p in POLICIES}
+    return {p: autojigsaw.evaluate(replace(full, recompute=recompute[p]), model, inputs, device=LINKS)
+            for p in POLICIES}
 
 
 def main(argv: list[str] | None = None) -> Report:

@@ -72,3 +72,12 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                             num_labels=5)
         return tf.SwinForImageClassification(cfg), (torch.randn(2, 3, 32, 32),)
     raise ValueError(f"unknown model {name!r}; known: {NAMES}")
+
+
+def batch_of_8(name: str):
+    """`name` in training mode with a seeded batch of 8 (of 64 tokens, or of its image size)."""
+    model, inputs = hf_model(name)
+    g, x = torch.Generator().manual_seed(1), inputs[0]
+    x = torch.randint(0, 128, (8, 64), generator=g) if x.dtype == torch.long else torch.randn(8, *x.shape[1:],
+                                                                                               generator=g)
+    return model.train(), (x,)

@@ -16,7 +16,7 @@ from autojigsaw.cost_model.formulas import scaling
 from autojigsaw.cost_model.memory import saved_for_backward
 
 from .cost_checks import measure_step, small_model
-from .hf_models import hf_model
+from .hf_models import batch_of_8
 
 # (model, input shape, mesh, axes, budget): budgets force sharded plans that communicate
 CASES = [
@@ -41,22 +41,16 @@ def test_predicted_bytes_and_peak_memory_match_measured(ranks2, ranks4, name, sh
         assert results[0].sent_bytes > 0  # the plan communicates: the comparison means something
 
 
-
-def _gpt2_batch_of_8():
-    """The tests' GPT-2 (2 layers, 64 wide) on 8 x 64 tokens."""
-    model, _ = hf_model("gpt2")
-    return model, (torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(1)),)
-
-
 def test_a_gathered_activation_saved_by_its_last_reader_is_counted_once(ranks2):
     """GPT-2's MLP on 100 us links: c_fc splits its output, c_proj gathers it and saves the gathered
     copy for its weight's gradient. The copy was counted twice (as the saved input and as a moved
     copy held to the backward, as for a gathered weight): 13 % over the measured peak; now 0.0 %."""
     links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
-    for r in ranks2.run(measure_step, _gpt2_batch_of_8, (), (2,), ("tensor",), device=links):
+    for r in ranks2.run(measure_step, batch_of_8, ("gpt2",), (2,), ("tensor",), device=links):
         plan = autojigsaw.Plan.from_json(r.plan)
         assert any(n.kind == "matmul" and n.comm_bytes > 0 for n in plan.nodes), plan  # a matmul gathers
         assert abs(r.memory_error) <= 0.02, (r.predicted_peak, r.peak)
+
 
 def test_collective_bytes_and_ring_or_tree_time():
     assert bytes_sent("all_gather", 100, 4) == 300 and bytes_sent("reduce_scatter", 400, 4) == 300

@@ -26,7 +26,7 @@ from autojigsaw.planner.milp import SolverTimeout
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .cost_checks import measure_step
-from .hf_models import hf_model
+from .hf_models import batch_of_8
 from .side_by_side import build, loss_of
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -222,7 +222,6 @@ def test_recomputed_layers_give_the_same_gradients_and_free_the_predicted_memory
         assert abs(drop - want) <= 0.15 * want, (policy, measured, predicted)
 
 
-
 class _ConvBlock(torch.nn.Module):
     """A residual block of two 3x3 convolutions (a ResNet's, without its norms)."""
 
@@ -292,24 +291,19 @@ def test_selective_recomputation_of_convolutions_and_collectives_takes_the_predi
         assert abs(predicted[policy] - measured[policy]) <= 0.05 * measured[policy], (policy, measured, predicted)
 
 
-def _convnext_batch_of_8():
-    """transformers' ConvNeXt V2 (tests/hf_models.py) on 8 images."""
-    model, inputs = hf_model("convnextv2")
-    return model.train(), (torch.randn(8, *inputs[0].shape[1:], generator=torch.Generator().manual_seed(1)),)
-
-
 def test_a_residual_gradient_is_held_from_its_first_contribution(ranks2):
     """A residual block's input is read by its first convolution and by the residual add; in the
     backward autograd holds its gradient from the add's contribution, through the whole block, to
     the convolution's. The memory model counted it from the last contribution: ConvNeXt V2 with
     every stage recomputed peaks in a stage's backward, and was predicted 13.8 % under; now 1.5 %."""
-    model, inputs = _convnext_batch_of_8()
+    model, inputs = batch_of_8("convnextv2")
     links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
     planned = autojigsaw.plan(model, inputs, {"tensor": 2}, device=links, activation_checkpointing="full")
     assert {policy for _, policy in planned.recompute} == {"full"} and len(planned.recompute) == 2, planned.recompute
-    for r in ranks2.run(measure_step, _convnext_batch_of_8, (), (2,), ("tensor",), plan=planned.to_json(),
+    for r in ranks2.run(measure_step, batch_of_8, ("convnextv2",), (2,), ("tensor",), plan=planned.to_json(),
                         device=links):
         assert abs(r.memory_error) <= 0.05, (r.predicted_peak, r.peak)
+
 
 def _bf16_run(plan_json: str) -> dict:
     ref, inputs = build("mixer", dtype=torch.float32)

@@ -7,8 +7,8 @@ collectives too); "selective" keeps matmul and attention outputs and recomputes 
 (convolutions too: the runtime's save list is torchtitan's), and keeps the outputs of collectives
 (torchtitan's op-level policy); its cache holds those outputs until the layer's backward even
 where no reader saves them (a collective's too: it runs in the layer, before its reader), and
-recomputes what a kept op makes inside itself (an attention's float copy of its boolean mask). Items are split or extended, not
-re-derived: the memory model stays the one the solver already trusts.
+recomputes what a kept op makes inside itself (an attention's float copy of its boolean mask).
+Items are split or extended, not re-derived: the memory model stays the one the solver already trusts.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[froze
     pairs = [piece for k, item in enumerate(memory.pairs)
              for piece in (split(item, memory.kept_pairs.get(k)) if memory.kept_pairs.get(k) in resaved else [item])]
     # a move that sends nothing (a slice of a whole value: recomputed, not cached) is counted too, as no
-    # item tells it from a collective (the Llama of test_training_regime on 100 us links slices its
-    # embedding for layer 0's residual add: 64 KiB over, its selective drop 4 % under the measured)
+    # item tells it from a collective (64 KiB in the Llama of test_training_regime on 100 us links,
+    # which slices its embedding for layer 0's residual add)
     pairs += [replace(item, end=moves_cached[item.dst]) for item in memory.unsaved_moves if item.dst in moves_cached]
     # the split model is final: it keeps no record of what could be recomputed again
     return MemoryModel(memory.names, memory.training, memory.vectors, lin, maxes, pairs, _ids=memory._ids)
