@@ -274,8 +274,9 @@ def test_selective_recomputation_of_convolutions_and_collectives_takes_the_predi
     and caches a collective's output until the layer's backward even where no reader saves it: the
     plan's first block splits its channels, so its second convolution's partial sums are all-reduced
     inside the layer. Before, the plan predicted that selective recomputation added memory here
-    (-262 KiB: convolutions kept) where it freed 1 MiB. The recomputed peaks are within 0.2 % (the
-    plan without recomputation is 9.8 % under: not this test's concern)."""
+    (-262 KiB: convolutions kept) where it freed 1 MiB. The recomputed peaks are within 0.2 %. (Without
+    recomputation the peak is this test's loss' backward, outside the model: square().mean() of the
+    output makes 2 MiB of temporaries where the plan prices two copies of the output; 9.8 % under.)"""
     model, inputs = _conv_stack()
     base = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu")
     assert any(n.outputs == ((Partial(),),) for n in base.nodes if n.module == "layers.0.conv2"), base
