@@ -16,25 +16,23 @@ import argparse
 from dataclasses import replace
 
 import autojigsaw
-from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.testing.local_ranks import LocalRanks
-from tests.cost_checks import measure_step
+from tests.cost_checks import CPU_100US, measure_step
 from tests.hf_models import batch_of_8
 
 from .common import Report, kib
 
 MODELS = ("gpt2", "llama", "bert", "vit", "swin", "segformer", "convnextv2", "resnet")
 POLICIES = ("none", "selective", "full")
-LINKS = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
 
 
 def _plans(name: str) -> dict[str, autojigsaw.Plan]:
     """One sharding, priced with each policy on every layer the planner would recompute."""
     model, inputs = batch_of_8(name)
-    full = autojigsaw.plan(model, inputs, {"tensor": 2}, device=LINKS, activation_checkpointing="full")
+    full = autojigsaw.plan(model, inputs, {"tensor": 2}, device=CPU_100US, activation_checkpointing="full")
     layers = [layer for layer, _ in full.recompute]
     recompute = {p: tuple((layer, p) for layer in layers) if p != "none" else () for p in POLICIES}
-    return {p: autojigsaw.evaluate(replace(full, recompute=recompute[p]), model, inputs, device=LINKS)
+    return {p: autojigsaw.evaluate(replace(full, recompute=recompute[p]), model, inputs, device=CPU_100US)
             for p in POLICIES}
 
 
@@ -51,7 +49,7 @@ def main(argv: list[str] | None = None) -> Report:
             peak = {}
             for policy, plan in plans.items():
                 r = pool.run(measure_step, batch_of_8, (name,), (2,), ("tensor",), plan=plan.to_json(),
-                             device=LINKS)[0]
+                             device=CPU_100US)[0]
                 peak[policy] = (r.predicted_peak, r.peak)
             for policy, (predicted, measured) in peak.items():
                 drop = ""

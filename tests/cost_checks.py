@@ -19,10 +19,14 @@ from torch.utils import _pytree as pytree
 
 import autojigsaw
 from autojigsaw import Plan
+from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .models import build
+
+# the cpu spec on links fast enough that plans split layers and move activations
+CPU_100US = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ import autojigsaw
 from autojigsaw.cost_model.comm import RING, TREE_ALL_REDUCE, collective_time
 from autojigsaw.ir import bytes_sent
 from autojigsaw.cost_model.compute import flops, kind_name, op_kind, roofline_time
-from autojigsaw.cost_model.devices import LinkSpec, device_spec
+from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.formulas import scaling
 from autojigsaw.cost_model.memory import saved_for_backward
 
-from .cost_checks import measure_step, small_model
+from .cost_checks import CPU_100US, measure_step, small_model
 from .hf_models import batch_of_8
 
 # (model, input shape, mesh, axes, budget): budgets force sharded plans that communicate
@@ -45,8 +45,7 @@ def test_a_gathered_activation_saved_by_its_last_reader_is_counted_once(ranks2):
     """GPT-2's MLP on 100 us links: c_fc splits its output, c_proj gathers it and saves the gathered
     copy for its weight's gradient. The copy was counted twice (as the saved input and as a moved
     copy held to the backward, as for a gathered weight): 13 % over the measured peak; now 0.0 %."""
-    links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
-    for r in ranks2.run(measure_step, batch_of_8, ("gpt2",), (2,), ("tensor",), device=links):
+    for r in ranks2.run(measure_step, batch_of_8, ("gpt2",), (2,), ("tensor",), device=CPU_100US):
         plan = autojigsaw.Plan.from_json(r.plan)
         assert any(n.kind == "matmul" and n.comm_bytes > 0 for n in plan.nodes), plan  # a matmul gathers
         assert abs(r.memory_error) <= 0.02, (r.predicted_peak, r.peak)

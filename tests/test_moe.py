@@ -21,11 +21,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autojigsaw
 from autojigsaw import Plan
-from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.capture import capture
 from autojigsaw.dtypes import reduce_dtype
 from autojigsaw.strategies.rules.moe import GROUPED_MM, expert_rows_mm
 
+from .cost_checks import CPU_100US
 from .hf_models import hf_model
 from .side_by_side import build, replicated_bytes, train
 
@@ -94,9 +94,8 @@ def planned(dtype: torch.dtype) -> str:
     """Under 0.7 of the replicated bytes, priced on 100 us links: on this tiny model gloo's ~0.5 ms
     rounds (the "cpu" spec) make gathering the expert weights cheaper than any sharded matmul."""
     model, inputs = build("mixtral", dtype=dtype)
-    links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
     budget = int(0.7 * replicated_bytes("mixtral", dtype))
-    return autojigsaw.plan(model, inputs, MESH, device=links, memory_budget=budget).to_json()
+    return autojigsaw.plan(model, inputs, MESH, device=CPU_100US, memory_budget=budget).to_json()
 
 
 def run(ranks, plan: str, dtype: torch.dtype):

@@ -19,13 +19,12 @@ from torch.distributed.tensor import Partial
 
 import autojigsaw
 from autojigsaw import Plan
-from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.cost_model.liveness import ParamMemory
 from autojigsaw.cost_model.memory import saved_for_backward
 from autojigsaw.planner.milp import SolverTimeout
 from autojigsaw.testing.local_ranks import get_mesh
 
-from .cost_checks import measure_step
+from .cost_checks import CPU_100US, measure_step
 from .hf_models import batch_of_8
 from .side_by_side import build, loss_of
 
@@ -98,7 +97,7 @@ def test_auto_recomputes_only_when_the_budget_asks():
     """Loose: nothing recomputed. Tighter than any sharding alone: the fewest layers, selective
     before full; tighter still: full. Always at least as fast as recomputing everything fully.
     Links of 100 us, where the loose plan shards all it can: 0.8 of its memory needs recomputation."""
-    plan = functools.partial(_plan, device=device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9)))
+    plan = functools.partial(_plan, device=CPU_100US)
     none = plan("none")
     assert plan("auto").recompute == ()
     budget = int(0.8 * none.memory_per_rank)
@@ -298,11 +297,10 @@ def test_a_residual_gradient_is_held_from_its_first_contribution(ranks2):
     the convolution's. The memory model counted it from the last contribution: ConvNeXt V2 with
     every stage recomputed peaks in a stage's backward, and was predicted 13.8 % under; now 1.5 %."""
     model, inputs = batch_of_8("convnextv2")
-    links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
-    planned = autojigsaw.plan(model, inputs, {"tensor": 2}, device=links, activation_checkpointing="full")
+    planned = autojigsaw.plan(model, inputs, {"tensor": 2}, device=CPU_100US, activation_checkpointing="full")
     assert {policy for _, policy in planned.recompute} == {"full"} and len(planned.recompute) == 2, planned.recompute
     for r in ranks2.run(measure_step, batch_of_8, ("convnextv2",), (2,), ("tensor",), plan=planned.to_json(),
-                        device=links):
+                        device=CPU_100US):
         assert abs(r.memory_error) <= 0.05, (r.predicted_peak, r.peak)
 
 

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 import autojigsaw
 from autojigsaw import Plan
-from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.kernels.cross_entropy import vocab_parallel_cross_entropy
 from autojigsaw.mesh import MeshAxis
@@ -27,6 +26,7 @@ from autojigsaw.testing.local_ranks import get_mesh
 from autojigsaw.rewrite.traffic import traffic_by_origin
 from autojigsaw.placements import Partial, Shard, chunk_sizes
 
+from .cost_checks import CPU_100US
 from .hf_models import hf_model
 
 V, ROWS = 97, 12  # 97 classes split unevenly over 2 and 4 ranks
@@ -164,8 +164,7 @@ def _plan(name: str, mesh: dict) -> Plan:
     model, inputs = _build(name)
     whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
     # DDP on a data axis: these tests count the graph's own traffic (FSDP's is FSDP's to count)
-    links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
-    return autojigsaw.plan(model, inputs, mesh, device=links, memory_budget=int(0.7 * whole),
+    return autojigsaw.plan(model, inputs, mesh, device=CPU_100US, memory_budget=int(0.7 * whole),
                            data_parallel="ddp" if "data" in mesh else None)
 
 
@@ -293,8 +292,7 @@ def test_a_loss_with_a_term_of_the_sharded_logits_trains_like_one_device(ranks2)
     and DTensor") until the loss's gradient was made whole."""
     model, (ids, labels) = _lm("gpt2")
     whole = autojigsaw.plan(model.lm, (ids,), {"tensor": 1}, device="cpu", example_kwargs={"labels": labels})
-    links = device_spec("cpu").with_links(LinkSpec("100 us", 100e-6, 1e9))
-    plan = autojigsaw.plan(model.lm, (ids,), {"tensor": 2}, device=links, example_kwargs={"labels": labels},
+    plan = autojigsaw.plan(model.lm, (ids,), {"tensor": 2}, device=CPU_100US, example_kwargs={"labels": labels},
                            memory_budget=int(0.7 * whole.memory_per_rank))
     for r in ranks2.run(_loss_and_logits_term, (2,), ("tensor",), plan.to_json()):
         assert r["sharded"] == "DTensor", r
