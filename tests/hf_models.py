@@ -71,6 +71,11 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                             hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, drop_path_rate=dropout,
                             num_labels=5)
         return tf.SwinForImageClassification(cfg), (torch.randn(2, 3, 32, 32),)
+    if name == "groupvit":  # grouping by Gumbel-softmax: torch.distributions noise, a hard (straight-through) argmax
+        cfg = tf.GroupViTVisionConfig(hidden_size=32, intermediate_size=64, depths=[1, 1], num_group_tokens=[8, 0],
+                                      num_output_groups=[8, 8], num_attention_heads=4, image_size=32, patch_size=8,
+                                      hidden_dropout_prob=dropout, attention_dropout=dropout)
+        return tf.GroupViTVisionModel(cfg), (torch.randn(2, 3, 32, 32),)
     raise ValueError(f"unknown model {name!r}; known: {NAMES}")
 
 

@@ -88,6 +88,20 @@ def test_uncapturable_model():
         autojigsaw.plan(_DataDependent(), (X,), {"tensor": 2})
 
 
+class _CheckedNoise(torch.nn.Module):
+    """A VAE's reparameterized sample, its distribution told to check its arguments at every step."""
+
+    def forward(self, x):
+        return torch.distributions.Normal(x, x.exp(), validate_args=True).rsample()
+
+
+def test_distribution_that_checks_its_arguments():
+    # the default checks are off while autojigsaw traces (tests/test_model_idioms.py: GroupViT); asked for, they are named
+    with pytest.raises(ValueError, match=r"could not capture _CheckedNoise(.|\n)*validate_args=True(.|\n)*make it with "
+                                         r"validate_args=False"):
+        autojigsaw.plan(_CheckedNoise(), (X,), {"tensor": 2})
+
+
 def test_parallelize_without_process_group():
     with pytest.raises(ValueError, match="needs a process group.*init_process_group"):
         autojigsaw.parallelize(MLP(), {"tensor": 2}, (X,))

@@ -13,6 +13,8 @@
   their runs interleave with the earlier layers' (the planner's layer tying raised a bare ValueError).
 - An encoder-decoder whose decoder stack reads its own copy of the config (T5): turning the model's
   use_cache off for the trace left the decoder's on, and export failed on the cache it returned.
+- Random draws through torch.distributions (GroupViT's Gumbel noise): each distribution checks its
+  arguments in Python (scale > 0) unless told not to, and the capture failed on the check.
 - Keys written into a new buffer slice by slice (`k.new_empty(...)[..., :n].copy_(x)`, DeepSeek-V3's
   attention): export makes each write an aten.copy, which eager autograd cannot differentiate.
 """
@@ -517,6 +519,20 @@ def test_t5_with_its_default_kv_cache_setting_trains_like_one_device(ranks2):
         plan = _plan_under(0.8, model, (ids,), {"labels": ids})
     assert model.config.use_cache and model.decoder.config.use_cache  # as it was
     _assert_sharded_and_equal(ranks2.run(_t5_trains, plan.to_json()), plan)
+
+
+def test_groupvit_gumbel_grouping_trains_like_one_device(ranks2):
+    # Hugging Face's GroupViT groups tokens by a Gumbel-softmax (torch.distributions.Gumbel, arguments
+    # checked by default) with a straight-through hard assignment; the noise is the single device's
+    plan = plan_json("groupvit", {"tensor": 2})
+    for r in ranks2.run(train, "groupvit", (2,), ("tensor",), plan, steps=3):
+        assert r["sharded"] > 0, r["table"]
+        assert max(r["output"], r["grad"]) <= 1e-10, r["table"]
+        # a bias a LayerNorm or softmax cancels (mlp_inter.fc2's, k_proj's, the assignment's q_proj's) has
+        # a gradient of rounding size, which Adam divides by its eps (1e-8): lr / eps times that rounding
+        cancelled = {n for n, t in r["tensors"].items() if t["grad_scale"] <= 1e-12 * r["grad_scale"]}
+        assert cancelled and all(n.endswith(".bias") for n in cancelled), cancelled
+        assert max(t["param"] for n, t in r["tensors"].items() if n not in cancelled) <= 1e-10, r["table"]
 
 
 def test_swin_shifted_windows_train_like_one_device(ranks4):

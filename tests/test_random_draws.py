@@ -44,7 +44,7 @@ class Denoiser(torch.nn.Module):
     def forward(self, x):
         if self.draw == "by value":  # rejection samplers: how many numbers they draw depends on the value
             rate = torch.nn.functional.softplus(x) + 1  # a gamma sample (reparameterized: a gradient flows)
-            noise = torch.distributions.Gamma(rate, 1.0, validate_args=False).rsample() + torch.poisson(rate)
+            noise = torch.distributions.Gamma(rate, 1.0).rsample() + torch.poisson(rate)
         else:  # every elementwise draw, each on its own share of the noise
             noise = sum(draw(x) * (i + 1) for i, draw in enumerate(_DRAWS.values()))
         return (self.net(x + noise) - noise).square().mean()

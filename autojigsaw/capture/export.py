@@ -37,7 +37,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     drawn: list[str] = []
     checkpoints: list[str] = []
     try:
-        with (_no_kv_cache(model), reentrant_checkpoints_inlined(checkpoints),
+        with (_no_kv_cache(model), _distribution_checks_off(), reentrant_checkpoints_inlined(checkpoints),
               _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
               _attributes_written(model, written), host_draws(model, drawn), warnings.catch_warnings(),
@@ -305,6 +305,10 @@ def _export_error(model: torch.nn.Module, e: Exception) -> str:
     elif getattr(config, "layerdrop", 0) and model.training and "data-dependent" in text:
         fix = (f"{type(model).__name__}'s LayerDrop (config.layerdrop={config.layerdrop}) decides in Python, at "
                "each step, whether a layer runs, which one captured graph cannot: build it with layerdrop=0.0.")
+    elif "validate_args=True" in where:
+        fix = ("a torch.distributions object made with validate_args=True checks its arguments in Python at every "
+               "step, which one captured graph cannot: make it with validate_args=False (autojigsaw turns the "
+               "default checks off while it traces).")
     else:
         fix = ("autojigsaw needs a model that torch.export(strict=False) can trace: remove data-dependent "
                "Python control flow, and pass use_cache=False to Hugging Face models.")
@@ -357,6 +361,22 @@ def _stand_in_state(model: torch.nn.Module, args: tuple, kwargs: dict, param_dty
     finally:
         for table, name, t in state:
             table[name] = t
+
+
+@contextlib.contextmanager
+def _distribution_checks_off():
+    """torch.distributions' argument checks off while tracing (as `python -O` turns them off).
+
+    Each check asks Python whether a tensor satisfies a constraint (scale > 0), which no graph can
+    hold: GroupViT's Gumbel noise, a VAE's Normal(mu, sigma).rsample() stopped the capture. The checks
+    compute nothing the model uses, so the graph is the model's without them.
+    """
+    saved = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(saved)
 
 
 @contextlib.contextmanager
