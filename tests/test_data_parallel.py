@@ -22,7 +22,7 @@ from autojigsaw.ir import bytes_sent
 from autojigsaw.kernels.collectives import count_comm
 from autojigsaw.modules import layer_units
 from autojigsaw.runtime import regional
-from autojigsaw.testing.local_ranks import get_mesh
+from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from .cost_checks import measure_step
 from .side_by_side import build, loss_of, max_diff, plan_json, train
@@ -57,6 +57,22 @@ def test_3d_mesh_trains_like_single_device(ranks4, name, mesh, fsdp, fraction):
     for r in ranks4.run(train, name, mesh, AXES, plan, steps=3, fsdp=fsdp):
         if fsdp:  # FSDP2 sharded every weight over the data axis
             assert r["whole_over_first_axis"] == 0, r
+        for key in ("output", "grad", "param"):
+            assert r[key] <= 1e-10, (key, r[key])
+
+
+def test_a_mesh_of_three_axes_of_two_trains_like_single_device():
+    # every axis of 2x2x2 at work (8 ranks on CI's 2 cores, ~30 s): FSDP on "data", GPT-2's weights
+    # split on both "domain" and "tensor"; a 1-rank axis (above) makes every collective on it trivial
+    mesh = (2, 2, 2)
+    plan = plan_json("gpt2", dict(zip(AXES, mesh)), 0.54, data_parallel="fsdp")
+    assert _data_parallel(Plan.from_json(plan))
+    placements = Plan.from_json(plan).param_placements.values()
+    assert all(any(pl[axis] != Replicate() for pl in placements) for axis in (1, 2)), Plan.from_json(plan).table()
+    with LocalRanks(8) as ranks8:
+        results = ranks8.run(train, "gpt2", mesh, AXES, plan, steps=3, fsdp=True)
+    for r in results:
+        assert r["whole_over_first_axis"] == 0, r
         for key in ("output", "grad", "param"):
             assert r[key] <= 1e-10, (key, r[key])
 
