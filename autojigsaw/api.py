@@ -80,6 +80,18 @@ def _check_model(model) -> None:
                          "Module whose forward calls it")
 
 
+def _positional(example_inputs) -> tuple:
+    """The example's positional inputs as a tuple; a lone tensor is the one input (tuple() of it would
+    split its first dim into inputs, and plan for another shape)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (Mapping, str)) or not isinstance(example_inputs, Sequence):
+        raise ValueError(f"example_inputs must be a tuple of the forward's positional inputs, got a "
+                         f"{type(example_inputs).__name__}: pass (x,) for one input, and keyword inputs as "
+                         "example_kwargs=")
+    return tuple(example_inputs)
+
+
 def regime_of(mesh: MeshSpec, device: str | DeviceSpec, mp_policy, activation_checkpointing: str,
               data_parallel: str | None) -> Regime:
     """The checked training regime: an unknown policy, FSDP without a data axis, or a compute
@@ -143,7 +155,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
     regime = regime_of(mesh, device, mp_policy, activation_checkpointing, data_parallel)
     options = Options(device, training, memory_budget, optimizer, input_placements, output_placements, tie_layers,
                       regime)
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    args, kwargs = _positional(example_inputs), dict(example_kwargs or {})
     symbolic = _symbolic(model, args, kwargs, regime) if dynamic else None
     captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
     return plan_captured(captured, mesh, options)
@@ -213,7 +225,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     module = ParallelModule(model, mesh, build, plan=plan, local_inputs=input_placements is not None,
                             local_outputs=output_placements is not None)
     if example_inputs is not None:
-        module.build(tuple(example_inputs), dict(example_kwargs or {}))
+        module.build(_positional(example_inputs), dict(example_kwargs or {}))
     elif regime.fsdp and spec.sizes[data_axes(spec)[0]] > 1:
         raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass example_inputs "
                          "to parallelize, or data_parallel='ddp' to plan at the first call")
@@ -378,7 +390,7 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
         print(on_a100.step_time, on_a100.memory_per_rank)
     """
     regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel)
-    captured = capture_for(model, tuple(example_inputs), dict(example_kwargs or {}), regime)
+    captured = capture_for(model, _positional(example_inputs), dict(example_kwargs or {}), regime)
     fixed = {name: pl for name, pl in zip(captured.inputs, plan.input_placements) if pl is not None}
     annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
     ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer), regime)

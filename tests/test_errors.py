@@ -88,6 +88,29 @@ def test_uncapturable_model():
         autojigsaw.plan(_DataDependent(), (X,), {"tensor": 2})
 
 
+def test_a_lone_tensor_is_the_one_example_input():
+    # tuple(x) of a lone tensor splits its first dim into inputs: with a batch of 1 the plan was for
+    # one sample of another rank ((5, 16) here), with no error
+    one = X[:1]
+    lone, wrapped = (autojigsaw.plan(MLP(), inputs, {"tensor": 2}, device="cpu") for inputs in (one, (one,)))
+    assert [n.shape for n in lone.nodes if n.kind == "input"] == [(1, 5, 16)], lone.table()
+    assert (lone.step_time, lone.memory_per_rank) == (wrapped.step_time, wrapped.memory_per_rank)
+
+
+def test_example_inputs_as_a_mapping():
+    with pytest.raises(ValueError, match=r"example_inputs must be a tuple of the forward's positional inputs, got a "
+                                         r"dict: pass \(x,\) for one input, and keyword inputs as example_kwargs="):
+        autojigsaw.plan(MLP(), {"x": X}, {"tensor": 2}, device="cpu")
+
+
+def test_example_inputs_the_forward_cannot_take(capfd):
+    # torch logged the failed op's traceback at ERROR before export raised; it goes to logging.DEBUG now
+    with pytest.raises(ValueError, match=r"could not capture MLP: RuntimeError(.|\n)*MLP's forward raised this on "
+                                         r"the example inputs: check that they match its arguments, shapes and dtypes"):
+        autojigsaw.plan(MLP(), (X[..., :15],), {"tensor": 2}, device="cpu")
+    assert "Traceback" not in capfd.readouterr().err
+
+
 class _CheckedNoise(torch.nn.Module):
     """A VAE's reparameterized sample, its distribution told to check its arguments at every step."""
 

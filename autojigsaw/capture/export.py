@@ -36,8 +36,10 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     written: list[tuple[str, str, str]] = []
     drawn: list[str] = []
     checkpoints: list[str] = []
+    torch_logs: list[logging.LogRecord] = []
     try:
-        with (_no_kv_cache(model), _distribution_checks_off(), reentrant_checkpoints_inlined(checkpoints),
+        with (_no_kv_cache(model), _distribution_checks_off(), _torch_logs_kept(torch_logs),
+              reentrant_checkpoints_inlined(checkpoints),
               _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
               _attributes_written(model, written), host_draws(model, drawn), warnings.catch_warnings(),
@@ -49,6 +51,8 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
             ep = ep.run_decompositions({})
     except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
         log.debug("torch.export's output before it failed (the partial graph):\n%s", torch_stderr.getvalue())
+        for record in torch_logs:
+            log.debug("torch's log while tracing (%s): %s", record.name, record.getMessage())
         raise ValueError(_export_error(model, e)) from e
     sys.stderr.write(torch_stderr.getvalue())
     _refuse_custom_backward(model, applied)
@@ -305,6 +309,10 @@ def _export_error(model: torch.nn.Module, e: Exception) -> str:
     elif getattr(config, "layerdrop", 0) and model.training and "data-dependent" in text:
         fix = (f"{type(model).__name__}'s LayerDrop (config.layerdrop={config.layerdrop}) decides in Python, at "
                "each step, whether a layer runs, which one captured graph cannot: build it with layerdrop=0.0.")
+    elif "data-dependent" not in text and isinstance(e, (TypeError, RuntimeError)):
+        fix = (f"{type(model).__name__}'s forward raised this on the example inputs: check that they match its "
+               "arguments, shapes and dtypes (run the model on them once); if it runs on them eagerly, "
+               "torch.export(strict=False) cannot trace it as written.")
     elif "validate_args=True" in where:
         fix = ("a torch.distributions object made with validate_args=True checks its arguments in Python at every "
                "step, which one captured graph cannot: make it with validate_args=False (autojigsaw turns the "
@@ -361,6 +369,28 @@ def _stand_in_state(model: torch.nn.Module, args: tuple, kwargs: dict, param_dty
     finally:
         for table, name, t in state:
             table[name] = t
+
+
+# torch logs a failed op's traceback at ERROR before export raises (a shape error in the example inputs)
+_TRACE_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
+
+
+@contextlib.contextmanager
+def _torch_logs_kept(records: list[logging.LogRecord]):
+    """torch's tracing logs kept in `records` instead of printed: the ValueError export's failure
+    becomes says what failed and the fix; the records go to logging.DEBUG."""
+    def keep(record: logging.LogRecord) -> bool:
+        records.append(record)
+        return False
+
+    loggers = [logging.getLogger(name) for name in _TRACE_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
 
 
 @contextlib.contextmanager
