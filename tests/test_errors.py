@@ -143,6 +143,13 @@ def test_mesh_smaller_than_world(ranks4):
         assert "has 2 ranks but the process group has 4" in message
 
 
+class _Scaled(MLP):
+    """The MLP with its input scaled first: the same parameters, a program with one more node."""
+
+    def forward(self, x):
+        return super().forward(2 * x)
+
+
 def _plan_for_other_mesh_and_wrong_inputs():
     mesh = get_mesh((2,), ("tensor",))
     other = autojigsaw.plan(MLP(), (X,), {"tensor": 4}, device="cpu")
@@ -151,6 +158,14 @@ def _plan_for_other_mesh_and_wrong_inputs():
         autojigsaw.parallelize(MLP(), mesh, (X,), compile=False, plan=other)
     except ValueError as e:
         errors.append(str(e))
+    # a plan of another model: its parameters (a bare AttributeError from torch's Module before), or its
+    # program (the plan's extra nodes were ignored: it ran, priced as another program)
+    for other in (MLP(hidden=32), _Scaled()):
+        try:
+            autojigsaw.parallelize(build("mlp", torch.float32), mesh, (X,), compile=False,
+                                   plan=autojigsaw.plan(other, (X,), {"tensor": 2}, device="cpu"))
+        except ValueError as e:
+            errors.append(str(e))
     # Whole inputs of another shape are planned again (tests/test_shapes.py); local shards cannot be.
     pmodel = autojigsaw.parallelize(build("mlp", torch.float32), mesh, (X,), compile=False,
                                     input_placements=[(Shard(1),)])
@@ -254,10 +269,13 @@ def test_ranks_that_hold_different_values_are_refused(ranks2, case, message):
         assert error.startswith(message), error
 
 
-def test_plan_for_another_mesh_and_inputs_of_another_shape(ranks2):
+def test_plan_for_another_mesh_model_and_inputs_of_another_shape(ranks2):
     for errors in ranks2.run(_plan_for_other_mesh_and_wrong_inputs):
         assert "made for mesh tensor=4 but the module runs on tensor=2" in errors[0]
-        assert "input 'x' has shape (2, 6, 16) but the plan expects this rank's shard of shape" in errors[1]
+        assert ("the plan was made for another model (3 parameter(s) differ; fc1.bias is (32,) in the plan and "
+                "(64,) in the model") in errors[1]
+        assert "the plan has nodes this model's program does not (mul): it was made for another model" in errors[2]
+        assert "input 'x' has shape (2, 6, 16) but the plan expects this rank's shard of shape" in errors[3]
 
 
 def _parameter_assigned_after_parallelize() -> str:

@@ -94,6 +94,10 @@ def src_is_tensor(node: Node) -> bool:
 
 
 def _check_matches(captured: Captured, by_name) -> None:
+    extra = set(by_name) - {node.name for node in captured.gm.graph.nodes}
+    if extra:  # the plan's program does more than this one (its costs are another program's)
+        raise ValueError(f"the plan has nodes this model's program does not ({', '.join(sorted(extra)[:3])}): it was "
+                         "made for another model, or in another mode (train / eval); plan again with this model")
     for node in captured.gm.graph.nodes:
         spec = by_name.get(node.name)
         if spec is None:

@@ -8,6 +8,7 @@ from importlib.metadata import version
 import torch
 import torch.distributed as dist
 
+from ..capture import Captured
 from ..mesh import MeshSpec
 from ..plan import Plan
 from .exchange import from_every_rank
@@ -48,11 +49,20 @@ def check_group(device_mesh, mesh: MeshSpec) -> None:
                          f"has {dist.get_world_size()}: make the mesh cover every rank")
 
 
-def check_plan(plan: Plan, mesh: MeshSpec) -> None:
-    """The plan must be for this mesh."""
+def check_plan(plan: Plan, mesh: MeshSpec, captured: Captured) -> None:
+    """The plan must be for this mesh and for this model: its parameters, by name and shape."""
     if plan.mesh != mesh:
         raise ValueError(f"the plan was made for mesh {plan.mesh.describe()} but the module "
                          f"runs on {mesh.describe()}: plan again for this mesh")
+    ours = {captured.params[n.name]: tuple(n.meta["val"].shape) for n in captured.gm.graph.nodes
+            if n.name in captured.params}
+    planned = {n.module: n.shape for n in plan.nodes if n.kind == "param"}
+    if ours != planned:
+        differ = sorted(set(ours) ^ set(planned)) or sorted(f for f in ours if ours[f] != planned[f])
+        seen = "; ".join(f"{fqn} is {planned.get(fqn, 'absent')} in the plan and {ours.get(fqn, 'absent')} "
+                         "in the model" for fqn in differ[:3])
+        raise ValueError(f"the plan was made for another model ({len(differ)} parameter(s) differ; {seen}): "
+                         "plan again for this model, or pass plan=None")
 
 
 def check_agreement(facts: dict[str, str]) -> None:
