@@ -3,7 +3,7 @@
 pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP on 8 GPUs, local
 batch 2 x 8192 tokens, bf16 mixed precision, selective activation checkpointing: 6,667 tokens/s
 per GPU at 77.0 GiB. Planned as the issue that asked for it wrote the call, on the meta device.
-benchmarks/published.py compares five more runs (Megatron-LM tensor parallel, 128 GPUs).
+benchmarks/published.py compares six more runs (torchtitan on 128 GPUs, Megatron-LM tensor parallel on 8-256).
 """
 
 import logging
