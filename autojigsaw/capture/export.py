@@ -55,6 +55,8 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
             log.debug("torch's log while tracing (%s): %s", record.name, record.getMessage())
         raise ValueError(_export_error(model, e)) from e
     sys.stderr.write(torch_stderr.getvalue())
+    for record in torch_logs:
+        logging.getLogger(record.name).handle(record)
     _refuse_custom_backward(model, applied)
     _refuse_tensor_hooks(model, hooked)
     _refuse_silent_forward_hooks(silent)
@@ -371,14 +373,14 @@ def _stand_in_state(model: torch.nn.Module, args: tuple, kwargs: dict, param_dty
             table[name] = t
 
 
-# torch logs a failed op's traceback at ERROR before export raises (a shape error in the example inputs)
 _TRACE_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
 
 
 @contextlib.contextmanager
 def _torch_logs_kept(records: list[logging.LogRecord]):
-    """torch's tracing logs kept in `records` instead of printed: the ValueError export's failure
-    becomes says what failed and the fix; the records go to logging.DEBUG."""
+    """torch's tracing logs held in `records` while export runs: where it fails (torch logs a failed op's
+    traceback at ERROR first), the ValueError says what failed and the records go to logging.DEBUG;
+    where it succeeds, they are logged as torch logged them."""
     def keep(record: logging.LogRecord) -> bool:
         records.append(record)
         return False
