@@ -76,6 +76,11 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                                       num_output_groups=[8, 8], num_attention_heads=4, image_size=32, patch_size=8,
                                       hidden_dropout_prob=dropout, attention_dropout=dropout)
         return tf.GroupViTVisionModel(cfg), (torch.randn(2, 3, 32, 32),)
+    if name == "patchtst":  # a time-series transformer: patches cut by Tensor.unfold along the time axis
+        cfg = tf.PatchTSTConfig(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, d_model=32,
+                                num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, prediction_length=8,
+                                dropout=dropout, attention_dropout=dropout, ff_dropout=dropout, path_dropout=dropout)
+        return tf.PatchTSTForPrediction(cfg), (torch.randn(2, 32, 3),)
     raise ValueError(f"unknown model {name!r}; known: {NAMES}")
 
 

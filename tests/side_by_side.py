@@ -105,13 +105,16 @@ def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *,
             diffs["norm"] = max(diffs["norm"], abs(norm.full_tensor().item() - ref_norm.item()))
         for name, p, q in zip(names, pmodel.parameters(), ref.parameters()):
             t = tensors[name]
+            if q.grad is None:  # frozen (PatchTST's sinusoidal positions): no gradient in either model
+                assert p.grad is None, name
+                continue
             t["grad"] = max(t["grad"], max_diff(p.grad.full_tensor(), q.grad))
             t["grad_scale"] = max(t["grad_scale"], q.grad.abs().max().item())
             diffs["grad"] = max(diffs["grad"], t["grad"])
             diffs["grad_scale"] = max(diffs["grad_scale"], t["grad_scale"])
         if optimizer == "sgd":
             for name, group, ref_group, q in zip(names, opt.param_groups, ref_opt.param_groups, ref.parameters()):
-                g = q.grad.abs().max().item()
+                g = q.grad.abs().max().item() if q.grad is not None else 0.0
                 group["lr"] = ref_group["lr"] = tensors[name]["lr"] = q.abs().max().item() / g if g else 0.0
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()

@@ -13,6 +13,7 @@
   their runs interleave with the earlier layers' (the planner's layer tying raised a bare ValueError).
 - An encoder-decoder whose decoder stack reads its own copy of the config (T5): turning the model's
   use_cache off for the trace left the decoder's on, and export failed on the cache it returned.
+- Patches cut by Tensor.unfold (PatchTST's, along time): unfold had no rule and ran whole.
 - Random draws through torch.distributions (GroupViT's Gumbel noise): each distribution checks its
   arguments in Python (scale > 0) unless told not to, and the capture failed on the check.
 - Keys written into a new buffer slice by slice (`k.new_empty(...)[..., :n].copy_(x)`, DeepSeek-V3's
@@ -36,7 +37,7 @@ from autojigsaw.testing.local_ranks import get_mesh
 
 from .hf_models import hf_model
 from .jigsaw_common import pinned_plan
-from .side_by_side import max_diff, plan_json, train, whole
+from .side_by_side import build, max_diff, plan_json, train, whole
 from .test_errors import _RoundThrough  # a straight-through round, refused there through parallelize
 
 
@@ -533,6 +534,16 @@ def test_groupvit_gumbel_grouping_trains_like_one_device(ranks2):
         cancelled = {n for n, t in r["tensors"].items() if t["grad_scale"] <= 1e-12 * r["grad_scale"]}
         assert cancelled and all(n.endswith(".bias") for n in cancelled), cancelled
         assert max(t["param"] for n, t in r["tensors"].items() if n not in cancelled) <= 1e-10, r["table"]
+
+
+def test_patchtst_patches_cut_by_unfold_train_like_one_device(ranks2):
+    # Hugging Face's PatchTST (time series) cuts each channel's series into patches with Tensor.unfold
+    # along time, which had no rule and ran whole on every rank; it now keeps a shard of another dim
+    # (its series are too small for the planner to shard them: pinned to the channel dim)
+    plan = pinned_plan(*build("patchtst"), {"tensor": 2}, {"unfold": lambda s: format_placements(s.inputs[0]) == "S(2)"})
+    assert not plan.fallbacks and format_placements(plan.node("unfold").outputs[0]) == "S(2)", plan.table()
+    for r in ranks2.run(train, "patchtst", (2,), ("tensor",), plan.to_json(), steps=3):
+        assert max(r["output"], r["grad"], r["param"]) <= 1e-10, r["table"]
 
 
 def test_swin_shifted_windows_train_like_one_device(ranks4):
