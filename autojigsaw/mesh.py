@@ -131,7 +131,7 @@ def _fake_device_mesh(mesh: MeshSpec, coord: tuple[int, ...]):
     # Cached outside the instances, so a MeshSpec (and a Plan holding one) stays picklable.
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = torch.arange(mesh.world_size).reshape(mesh.sizes)
+    ranks = torch.arange(mesh.world_size, device="cpu").reshape(mesh.sizes)  # cpu under torch.device("meta") too
     return DeviceMesh("cpu", ranks, mesh_dim_names=mesh.axis_names, _init_backend=False, _rank=int(ranks[coord]))
 
 

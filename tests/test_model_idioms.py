@@ -23,6 +23,7 @@
 import contextlib
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -544,6 +545,77 @@ def test_patchtst_patches_cut_by_unfold_train_like_one_device(ranks2):
     assert not plan.fallbacks and format_placements(plan.node("unfold").outputs[0]) == "S(2)", plan.table()
     for r in ranks2.run(train, "patchtst", (2,), ("tensor",), plan.to_json(), steps=3):
         assert max(r["output"], r["grad"], r["param"]) <= 1e-10, r["table"]
+
+
+class _Einsums(nn.Module):
+    """Einsums as research code writes them: a projection, attention written out, a scale broadcast over
+    leading dims ("..."), a neural operator's mode mixing, a sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16, dtype=torch.float64) / 4)
+        self.scale = nn.Parameter(torch.rand(16, dtype=torch.float64) + 0.5)
+        self.modes = nn.Parameter(torch.randn(4, 4, 4, dtype=torch.float64) / 2)  # [in, out, mode]
+
+    def forward(self, x):  # [batch, seq, 16]
+        h = torch.einsum("bsd,de->bse", x, self.w)
+        p = torch.einsum("bqd,bkd->bqk", h, x).softmax(-1)
+        y = torch.einsum("...d,d->...d", torch.einsum("bqk,bkd->bqd", p, h), self.scale)
+        g = torch.einsum("bxiy,ioy->boxy", y.reshape(*y.shape[:2], 4, 4), self.modes)
+        return torch.einsum("boxy->bo", g)
+
+
+# each einsum pinned to a sharded layout: partial sums over d, batch, query rows, d, partial over i, over x and y
+_EINSUM_PINS = {"einsum": "P(sum)", "einsum_1": "S(0)", "einsum_2": "S(1)", "einsum_3": "S(2)", "einsum_4": "P(sum)",
+                "einsum_5": "P(sum)"}
+_EINSUM_X = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+
+def _einsums_train(plan_json: str) -> dict:
+    torch.manual_seed(0)
+    ref = _Einsums()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (_EINSUM_X,), compile=False,
+                                    plan=autojigsaw.Plan.from_json(plan_json))
+
+    def run(model):
+        out = whole(model(_EINSUM_X))
+        return out.detach(), out.square().sum()
+
+    return _two_adam_steps(pmodel, ref, run)
+
+
+def test_einsums_shard_and_train_like_one_device(ranks2):
+    # aten.einsum had no rule: XLNet's relative attention ran 16 nodes whole, a neural operator's mode
+    # mixing too, and each was priced as an elementwise op
+    torch.manual_seed(0)
+    pins = {name: (lambda layout: lambda s: format_placements(s.outputs[0]) == layout)(layout)
+            for name, layout in _EINSUM_PINS.items()}
+    plan = pinned_plan(_Einsums(), (_EINSUM_X,), {"tensor": 2}, pins)
+    assert not plan.fallbacks, plan.table()
+    assert {n: format_placements(plan.node(n).outputs[0]) for n in _EINSUM_PINS} == _EINSUM_PINS, plan.table()
+    for r in ranks2.run(_einsums_train, plan.to_json()):
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+
+
+class _Projection(nn.Module):
+    """A projection inside a model (both operands need a gradient), as an einsum or as a matmul."""
+
+    def __init__(self, einsum: bool):
+        super().__init__()
+        self.einsum, self.gain, self.w = einsum, nn.Parameter(torch.empty(4096)), nn.Parameter(torch.empty(4096, 4096))
+
+    def forward(self, x):
+        h = x * self.gain
+        return torch.einsum("bsd,de->bse", h, self.w) if self.einsum else h @ self.w
+
+
+def test_an_einsum_is_priced_as_the_matmul_it_is():
+    with torch.device("meta"):
+        x = torch.empty(8, 2048, 4096)
+        plans = [autojigsaw.plan(_Projection(e).to("meta"), (x,), {"tensor": 8}, device="h100") for e in (True, False)]
+    einsum, matmul = ([n for n in p.nodes if n.op in ("aten.einsum", "aten.matmul")][0] for p in plans)
+    assert einsum.compute_s == pytest.approx(matmul.compute_s, rel=0.01), (plans[0].table(), plans[1].table())
+    assert plans[0].step_time == pytest.approx(plans[1].step_time, rel=0.01), (plans[0].table(), plans[1].table())
 
 
 def test_swin_shifted_windows_train_like_one_device(ranks4):
