@@ -610,6 +610,7 @@ class _Projection(nn.Module):
 
 
 def test_an_einsum_is_priced_as_the_matmul_it_is():
+    # planned inside torch.device("meta") too: the planner's fake mesh was made there (a bare RuntimeError)
     with torch.device("meta"):
         x = torch.empty(8, 2048, 4096)
         plans = [autojigsaw.plan(_Projection(e).to("meta"), (x,), {"tensor": 8}, device="h100") for e in (True, False)]
