@@ -619,6 +619,49 @@ def test_an_einsum_is_priced_as_the_matmul_it_is():
     assert plans[0].step_time == pytest.approx(plans[1].step_time, rel=0.01), (plans[0].table(), plans[1].table())
 
 
+class _AlongADim(nn.Module):
+    """ViTMAE's random masking (an argsort of noise per sample, then a gather), states repeated along a
+    dim (Mamba 2's repeat_interleave), a cast to another tensor's dtype (type_as), a sort."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16, dtype=torch.float64)
+
+    def forward(self, x):  # [batch, tokens, 16]
+        keep = torch.argsort(torch.rand(x.shape[:2], dtype=x.dtype), dim=1)[:, : x.shape[1] // 2]
+        kept = torch.gather(x, 1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return self.proj(kept).repeat_interleave(2, dim=1).type_as(x) * torch.sort(x, dim=1).values
+
+
+_ALONG_PINS = {"argsort": "S(0)", "repeat_interleave": "S(2)", "type_as": "S(2)", "sort": "S(0)"}
+
+
+def _along_a_dim_trains(plan_json: str) -> dict:
+    torch.manual_seed(0)
+    ref = _AlongADim()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (_EINSUM_X,), compile=False,
+                                    plan=autojigsaw.Plan.from_json(plan_json))
+
+    def run(model):
+        torch.manual_seed(1)  # the same noise in both
+        out = whole(model(_EINSUM_X))
+        return out.detach(), out.square().sum()
+
+    return _two_adam_steps(pmodel, ref, run)
+
+
+def test_ops_along_a_dim_shard_the_others_and_train_like_one_device(ranks2):
+    # argsort, sort, repeat_interleave and type_as had no rule and ran whole (ViTMAE, Mamba 2, VideoMAE, Gemma 2)
+    torch.manual_seed(0)
+    pins = {name: (lambda layout: lambda s: format_placements(s.outputs[0]) == layout)(layout)
+            for name, layout in _ALONG_PINS.items()}
+    plan = pinned_plan(_AlongADim(), (_EINSUM_X,), {"tensor": 2}, pins)
+    assert not plan.fallbacks, plan.table()
+    assert {n: format_placements(plan.node(n).outputs[0]) for n in _ALONG_PINS} == _ALONG_PINS, plan.table()
+    for r in ranks2.run(_along_a_dim_trains, plan.to_json()):
+        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
+
+
 def test_swin_shifted_windows_train_like_one_device(ranks4):
     # Hugging Face's Swin: window attention, torch.roll shifting the token grid between its blocks, a
     # relative position bias gathered by index, patch merging; activations split over both axes
