@@ -51,7 +51,8 @@ def test_sparse_input_is_refused():
 
 
 class _Diff(torch.nn.Module):
-    """torch.diff has no sharding rule: it runs replicated between two sharded linears."""
+    """torch.diff with a prepend has no sharding rule (without one it shards the other dims): it runs
+    replicated between two sharded linears."""
 
     def __init__(self):
         super().__init__()
@@ -60,7 +61,8 @@ class _Diff(torch.nn.Module):
         self.fc2 = torch.nn.Linear(128, 16, dtype=torch.float64)
 
     def forward(self, x):
-        return self.fc2(torch.diff(torch.relu(self.fc1(x)), dim=1))
+        h = torch.relu(self.fc1(x))
+        return self.fc2(torch.diff(h, dim=1, prepend=h[:, :1]))
 
 
 def _side_by_side(make, x, plan_json: str) -> dict:

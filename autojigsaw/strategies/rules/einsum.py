@@ -27,7 +27,7 @@ aten = torch.ops.aten
 R = Replicate()
 
 
-def spelled(node: Node) -> tuple[list[str], str] | None:
+def _spelled(node: Node) -> tuple[list[str], str] | None:
     """(each operand's letters, the output's), "..." spelled out; None for an implicit output."""
     equation = node.args[0].replace(" ", "")
     if "->" not in equation:
@@ -50,7 +50,7 @@ def spelled(node: Node) -> tuple[list[str], str] | None:
 
 @register(aten.einsum.default)
 def einsum(node, mesh, candidates):
-    letters = spelled(node)
+    letters = _spelled(node)
     if letters is None or len(letters[0]) != len(candidates):
         return None
     terms, out = letters
@@ -82,7 +82,7 @@ def einsum(node, mesh, candidates):
 
 def einsum_cost(node, strategy, ctx, grad: bool) -> tuple[float, float] | None:
     """(seconds, NaN): 2 FLOPs per point of the letters' joint local range, at the matmul roofline."""
-    letters = spelled(node)
+    letters = _spelled(node)
     if letters is None:
         return None
     terms, out = letters
