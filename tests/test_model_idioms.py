@@ -565,38 +565,6 @@ class _Einsums(nn.Module):
         return torch.einsum("boxy->bo", g)
 
 
-# each einsum pinned to a sharded layout: partial sums over d, batch, query rows, d, partial over i, over x and y
-_EINSUM_PINS = {"einsum": "P(sum)", "einsum_1": "S(0)", "einsum_2": "S(1)", "einsum_3": "S(2)", "einsum_4": "P(sum)",
-                "einsum_5": "P(sum)"}
-_EINSUM_X = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-
-
-def _einsums_train(plan_json: str) -> dict:
-    torch.manual_seed(0)
-    ref = _Einsums()
-    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (_EINSUM_X,), compile=False,
-                                    plan=autojigsaw.Plan.from_json(plan_json))
-
-    def run(model):
-        out = whole(model(_EINSUM_X))
-        return out.detach(), out.square().sum()
-
-    return _two_adam_steps(pmodel, ref, run)
-
-
-def test_einsums_shard_and_train_like_one_device(ranks2):
-    # aten.einsum had no rule: XLNet's relative attention ran 16 nodes whole, a neural operator's mode
-    # mixing too, and each was priced as an elementwise op
-    torch.manual_seed(0)
-    pins = {name: (lambda layout: lambda s: format_placements(s.outputs[0]) == layout)(layout)
-            for name, layout in _EINSUM_PINS.items()}
-    plan = pinned_plan(_Einsums(), (_EINSUM_X,), {"tensor": 2}, pins)
-    assert not plan.fallbacks, plan.table()
-    assert {n: format_placements(plan.node(n).outputs[0]) for n in _EINSUM_PINS} == _EINSUM_PINS, plan.table()
-    for r in ranks2.run(_einsums_train, plan.to_json()):
-        assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
-
-
 class _Projection(nn.Module):
     """A projection inside a model (both operands need a gradient), as an einsum or as a matmul."""
 
@@ -633,32 +601,43 @@ class _AlongADim(nn.Module):
         return self.proj(kept).repeat_interleave(2, dim=1).type_as(x) * torch.sort(x, dim=1).values
 
 
-_ALONG_PINS = {"argsort": "S(0)", "repeat_interleave": "S(2)", "type_as": "S(2)", "sort": "S(0)"}
+# Each op pinned to a sharded layout of its output. The einsums: partial sums over d, batch, query rows,
+# d, partial over i, over x and y.
+_PINNED_CASES = {
+    "einsum": (_Einsums, {"einsum": "P(sum)", "einsum_1": "S(0)", "einsum_2": "S(1)", "einsum_3": "S(2)",
+                          "einsum_4": "P(sum)", "einsum_5": "P(sum)"}),
+    "along a dim": (_AlongADim, {"argsort": "S(0)", "repeat_interleave": "S(2)", "type_as": "S(2)", "sort": "S(0)"}),
+}
+_TOKENS = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 
 
-def _along_a_dim_trains(plan_json: str) -> dict:
+def _pinned_case_trains(case: str, plan_json: str) -> dict:
     torch.manual_seed(0)
-    ref = _AlongADim()
-    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (_EINSUM_X,), compile=False,
+    ref = _PINNED_CASES[case][0]()
+    pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (_TOKENS,), compile=False,
                                     plan=autojigsaw.Plan.from_json(plan_json))
 
     def run(model):
-        torch.manual_seed(1)  # the same noise in both
-        out = whole(model(_EINSUM_X))
+        torch.manual_seed(1)  # the same random draws in both (the masking's noise)
+        out = whole(model(_TOKENS))
         return out.detach(), out.square().sum()
 
     return _two_adam_steps(pmodel, ref, run)
 
 
-def test_ops_along_a_dim_shard_the_others_and_train_like_one_device(ranks2):
-    # argsort, sort, repeat_interleave and type_as had no rule and ran whole (ViTMAE, Mamba 2, VideoMAE, Gemma 2)
-    torch.manual_seed(0)
+@pytest.mark.parametrize("case", _PINNED_CASES)
+def test_ops_pinned_to_sharded_layouts_train_like_one_device(ranks2, case):
+    # aten.einsum had no rule: XLNet's relative attention ran 16 nodes whole, a neural operator's mode
+    # mixing too, each priced as an elementwise op; argsort, sort, repeat_interleave and type_as had none
+    # either (ViTMAE, Mamba 2, VideoMAE, Gemma 2)
+    make, layouts = _PINNED_CASES[case]
     pins = {name: (lambda layout: lambda s: format_placements(s.outputs[0]) == layout)(layout)
-            for name, layout in _ALONG_PINS.items()}
-    plan = pinned_plan(_AlongADim(), (_EINSUM_X,), {"tensor": 2}, pins)
+            for name, layout in layouts.items()}
+    torch.manual_seed(0)
+    plan = pinned_plan(make(), (_TOKENS,), {"tensor": 2}, pins)
     assert not plan.fallbacks, plan.table()
-    assert {n: format_placements(plan.node(n).outputs[0]) for n in _ALONG_PINS} == _ALONG_PINS, plan.table()
-    for r in ranks2.run(_along_a_dim_trains, plan.to_json()):
+    assert {n: format_placements(plan.node(n).outputs[0]) for n in layouts} == layouts, plan.table()
+    for r in ranks2.run(_pinned_case_trains, case, plan.to_json()):
         assert r["output"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
 
 
