@@ -138,8 +138,10 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
       only; smaller ones get the exact optimum over every node's choice).
     - `mp_policy`: torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32
       masters, gradient sums in reduce_dtype); None: the model's dtype throughout.
-    - `activation_checkpointing`: "none", "selective", "full", or "auto" (the planner
-      chooses per layer, with the sharding, under the budget).
+    - `activation_checkpointing`: "none", "selective" (keep matmul and attention outputs),
+      "selective-op" (torchtitan's op-level policy: also recompute every second matmul),
+      "full", or "auto" (the planner chooses none, selective or full per layer, with the
+      sharding, under the budget).
     - `data_parallel`: "fsdp" or "ddp" on a mesh axis named "data"/"dp" (default "fsdp"
       there); no other axis name has a role: `domain` and `tensor` are labels.
     - `dynamic`: capture with symbolic sizes (torch.export `Dim.AUTO`) for
@@ -191,7 +193,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     - `plan`: apply this Plan (from `autojigsaw.plan` or `Plan.from_json`) instead of planning;
       its recomputation and data-parallel mode included.
     - `mp_policy`, `activation_checkpointing`, `data_parallel`: as for `autojigsaw.plan`
-      (MixedPrecisionPolicy or None; "none" | "selective" | "full" | "auto"; "fsdp" | "ddp"
+      (MixedPrecisionPolicy or None; "none" | "selective" | "selective-op" | "full" | "auto"; "fsdp" | "ddp"
       on an axis named "data"/"dp").
     - `dynamic`: one plan for every size torch.export can keep symbolic (batch, sequence):
       the model is captured once with `Dim.AUTO`, planned at the example inputs' shape (give

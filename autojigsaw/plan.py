@@ -89,7 +89,7 @@ class Plan:
     `output_placements`: one DTensor placement per mesh axis each. Predicted per rank and step:
     `memory_per_rank` (peak bytes, at `peak_at`), `comm_bytes` (bytes sent), `step_time`
     (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer, "selective" |
-    "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
+    "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
     planning went; `explainer`: the planner's data behind `explain`. print() gives the table.
 
         plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
@@ -110,7 +110,7 @@ class Plan:
     memory_budget: int | None = None
     peak_at: str = ""  # the program point of the peak ("backward of linear_3")
     precision: str = "model dtype"  # how parameters compute (Precision.describe)
-    recompute: tuple[tuple[str, str], ...] = ()  # (layer, "selective" | "full") for each recomputed layer
+    recompute: tuple[tuple[str, str], ...] = ()  # (layer, policy) for each recomputed layer
     data_parallel: str | None = None  # "fsdp" | "ddp" on the mesh's data axis
     stats: PlanStats | None = field(default=None, compare=False)
     explainer: Callable | None = field(default=None, compare=False, repr=False)

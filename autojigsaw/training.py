@@ -1,9 +1,10 @@
 """How a model is trained, as the planner prices it: mixed precision, recomputation, data parallelism.
 
 Plain, checked data shared by every stage: `Precision` reads torch's own FSDP2
-`MixedPrecisionPolicy`; `Recompute` is torchtitan's vocabulary ("selective" keeps matmul and
-attention outputs and recomputes the rest, convolutions included, "full" keeps only a layer's
-input); `DataParallel` says what a mesh axis named "data"/"dp" does with the weights ("fsdp"
+`MixedPrecisionPolicy`; `Regime.recompute` speaks torchtitan's vocabulary ("selective" keeps
+matmul and attention outputs and recomputes the rest, convolutions included; "selective-op" is
+torchtitan's op-level policy, which recomputes every second matrix product too; "full" keeps only
+a layer's input); `Regime.data_parallel` says what a mesh axis named "data"/"dp" does with the weights ("fsdp"
 shards them, parameters, gradients and optimizer state, "ddp" keeps them whole and all-reduces
 gradients).
 """
@@ -16,7 +17,7 @@ import torch
 
 from .mesh import MeshSpec
 
-RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "selective-op", "full")
 DATA_PARALLEL_CHOICES = ("fsdp", "ddp")
 DATA_AXIS_NAMES = ("data", "dp")
 

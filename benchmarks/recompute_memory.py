@@ -1,8 +1,8 @@
 """Peak memory under recomputation, predicted against measured: Hugging Face models on tensor=2 (gloo, CPU).
 
 Each model (tests/hf_models.py, 2 layers, a batch of 8) is planned once on 2 ranks with 100 us
-links (so that the plan splits its layers), then priced and run with that sharding three ways:
-no recomputation, and every repeated layer "selective" and "full". One Adam step warms up; the
+links (so that the plan splits its layers), then priced and run with that sharding four ways:
+no recomputation, and every repeated layer "selective", "selective-op" (torchtitan's) and "full". One Adam step warms up; the
 next step's peak is measured with torch's MemTracker (tests/cost_checks.measure_step), optimizer
 states included, beside the plan's prediction. The drops (none minus the policy) are what
 recomputation frees: the planner trades them against time.
@@ -23,7 +23,7 @@ from tests.hf_models import batch_of_8
 from .common import Report, kib
 
 MODELS = ("gpt2", "llama", "bert", "vit", "swin", "segformer", "convnextv2", "resnet")
-POLICIES = ("none", "selective", "full")
+POLICIES = ("none", "selective", "selective-op", "full")
 
 
 def _plans(name: str) -> dict[str, autojigsaw.Plan]:

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autojigsaw
+from autojigsaw.training import RECOMPUTE_CHOICES
 
 MODELS = ("llama", "gpt2")
 AXES = ("data", "domain", "tensor")  # "2x2" names the last two, "2x2x2" all three
@@ -63,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the sharded graph")
     p.add_argument("--mp", choices=("bf16",), default=None,
                    help="mixed precision: bf16 compute, fp32 master weights and gradient sums")
-    p.add_argument("--recompute", choices=("auto", "none", "selective", "full"), default="auto",
+    p.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
                    help="activation recomputation ('auto': the planner chooses per layer under the budget)")
     p.add_argument("--data", type=Path, help="token ids: a .npy of integers, or a raw .bin read as "
                    "--data-dtype (synthetic tokens without it)")

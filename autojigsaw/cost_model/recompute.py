@@ -4,10 +4,13 @@ A recomputed layer keeps its input and drops what its nodes saved for backward a
 its forward; at the start of its backward it runs its forward again, so those activations
 come back for the layer's backward only. "full" recomputes every node of the layer (its
 collectives too); "selective" keeps matmul and attention outputs and recomputes the rest
-(convolutions too: the runtime's save list is torchtitan's), and keeps the outputs of collectives
-(torchtitan's op-level policy); its cache holds those outputs until the layer's backward even
-where no reader saves them (a collective's too: it runs in the layer, before its reader), and
-recomputes what a kept op makes inside itself (an attention's float copy of its boolean mask).
+(convolutions too: the runtime's save list is torchtitan's), and keeps the outputs of collectives;
+"selective-op" is torchtitan's op-level policy itself: as "selective", but every second matrix
+product of a layer (the 2nd, 4th, ... aten.mm/addmm in its forward: a Llama layer's k, o and up
+projections) is recomputed too. Selective checkpointing's cache holds the kept outputs until the
+layer's backward even where no reader saves them (a collective's too: it runs in the layer, before
+its reader), and recomputes what a kept op makes inside itself (an attention's float copy of its
+boolean mask).
 Items are split or extended, not re-derived: the memory model stays the one the solver already trusts.
 """
 
@@ -20,10 +23,11 @@ import numpy as np
 from torch.fx import Node
 
 from ..modules import layer_of, module_path
-from .compute import ATTENTION, CONVS, MATMULS, TRANSPOSED_CONVS, backward_factor
+from .compute import ATTENTION, CONVS, MATMULS, TRANSPOSED_CONVS, aten, backward_factor
 from .liveness import LinearItem, MaxItem, MemoryModel, PairItem
 
-SELECTIVE_KEEPS = (MATMULS - CONVS - TRANSPOSED_CONVS) | ATTENTION  # rewrite/recompute.py's SAVED_OPS, as captured
+# rewrite/recompute.py's SAVED_OPS, as captured (an einsum dispatches the bmm or mm it is)
+SELECTIVE_KEEPS = (MATMULS - CONVS - TRANSPOSED_CONVS) | ATTENTION | {aten.einsum.default}
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,23 @@ def recomputed_nodes(layer: Layer, nodes: list[Node], policy: str) -> frozenset[
     if policy == "none":
         return frozenset()
     keep = set(layer.boundary)
-    if policy == "selective":
+    if policy in ("selective", "selective-op"):
         keep |= {i for i in layer.nodes if nodes[i].target in SELECTIVE_KEEPS}
+    if policy == "selective-op":  # torchtitan's count: the 2nd, 4th, ... product of the layer's forward
+        products = [i for i in layer.nodes if dispatches_product(nodes[i])]
+        keep -= set(products[1::2]) - layer.boundary
     return frozenset(i for i in layer.nodes if i not in keep)
+
+
+def dispatches_product(node: Node) -> bool:
+    """Whether a captured node runs as one 2-D matrix product (aten.mm, or addmm with a bias):
+    a linear, or a matmul whose second operand is a matrix (a batched one runs bmm)."""
+    if node.target in (aten.linear.default, aten.mm.default, aten.addmm.default):
+        return True
+    if node.target == aten.matmul.default:
+        a, b = (arg.meta.get("val") if isinstance(arg, Node) else None for arg in node.args[:2])
+        return a is not None and b is not None and a.dim() >= 2 and b.dim() == 2
+    return False
 
 
 def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[frozenset[int]],

@@ -1,5 +1,8 @@
 """Recomputation chosen with the sharding: per layer, none, selective or full, under the budget.
 
+"selective-op" (torchtitan's own policy) is planned when asked for; "auto" chooses among none,
+selective and full.
+
 For a policy, recomputing the first k repeated layers frees their saved activations at the
 peak (the end of the forward, where every layer's are live) and adds their forward time
 again; which k does not matter for the peak, only how many, and earlier layers' activations
@@ -39,7 +42,7 @@ class Recomputed:
 
 def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, str], policy: str,
                          budget: float | None, solve: Callable[..., Solution | None]) -> Recomputed:
-    """The best plan under `policy` ("none", "selective", "full" or "auto")."""
+    """The best plan under `policy` ("none", "selective", "selective-op", "full" or "auto")."""
     layers = repeated_layers(nodes, params)
     if policy == "none" or not layers:
         return Recomputed(problem, solve(problem, budget))
@@ -56,7 +59,7 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
             timeouts.append((f"{k} layers {pol}" if k else "no recomputation", e))
             return Recomputed(p, None, chosen)
 
-    if policy in POLICIES:
+    if policy != "auto":
         p, chosen = variant(problem, nodes, layers, policy, len(layers))
         return Recomputed(p, solve(p, budget), chosen)
     tried = [attempt("none", 0)]
