@@ -566,22 +566,26 @@ class _Einsums(nn.Module):
 
 
 class _Projection(nn.Module):
-    """A projection inside a model (both operands need a gradient), as an einsum or as a matmul."""
+    """A projection, as an einsum or as a matmul: inside a model (both operands need a gradient), or a
+    first layer's (its input needs none: the backward computes the weight's gradient only)."""
 
-    def __init__(self, einsum: bool):
+    def __init__(self, einsum: bool, first: bool):
         super().__init__()
-        self.einsum, self.gain, self.w = einsum, nn.Parameter(torch.empty(4096)), nn.Parameter(torch.empty(4096, 4096))
+        self.einsum, self.first = einsum, first
+        self.gain, self.w = nn.Parameter(torch.empty(4096)), nn.Parameter(torch.empty(4096, 4096))
 
     def forward(self, x):
-        h = x * self.gain
+        h = x if self.first else x * self.gain
         return torch.einsum("bsd,de->bse", h, self.w) if self.einsum else h @ self.w
 
 
-def test_an_einsum_is_priced_as_the_matmul_it_is():
+@pytest.mark.parametrize("first", [False, True], ids=["inside", "first layer"])
+def test_an_einsum_is_priced_as_the_matmul_it_is(first):
     # planned inside torch.device("meta") too: the planner's fake mesh was made there (a bare RuntimeError)
     with torch.device("meta"):
         x = torch.empty(8, 2048, 4096)
-        plans = [autojigsaw.plan(_Projection(e).to("meta"), (x,), {"tensor": 8}, device="h100") for e in (True, False)]
+        plans = [autojigsaw.plan(_Projection(e, first).to("meta"), (x,), {"tensor": 8}, device="h100")
+                 for e in (True, False)]
     einsum, matmul = ([n for n in p.nodes if n.op in ("aten.einsum", "aten.matmul")][0] for p in plans)
     assert einsum.compute_s == pytest.approx(matmul.compute_s, rel=0.01), (plans[0].table(), plans[1].table())
     assert plans[0].step_time == pytest.approx(plans[1].step_time, rel=0.01), (plans[0].table(), plans[1].table())

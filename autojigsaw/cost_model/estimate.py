@@ -125,7 +125,7 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)
     time = _default_times(node, tuple(strategies), ctx, grad, operand_grads)
-    hooked = [registry.kernel_cost(node, s, ctx, grad) for s in strategies]
+    hooked = [registry.kernel_cost(node, s, ctx, grad, operand_grads) for s in strategies]
     if not any(h is not None for h in hooked):
         return NodeCosts(time)
     time = np.array([h[0] if h is not None else t for h, t in zip(hooked, time)], dtype=float)

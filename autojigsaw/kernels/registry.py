@@ -51,7 +51,8 @@ def add(kernel: Kernel) -> Kernel:
 
 
 def local_cost(op, fn: Callable) -> None:
-    """Price the "local" strategies of `op` (the op itself on local shards) with `fn`, as Kernel.cost."""
+    """Price the "local" strategies of `op` (the op itself on local shards) with `fn`, as Kernel.cost
+    with one more argument: which tensor inputs need a gradient (None: all)."""
     _LOCAL_COSTS[op] = fn
 
 
@@ -70,14 +71,14 @@ def kernel_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str, int
     return kernel.traffic(node, rank, backward) if kernel is not None and kernel.traffic else []
 
 
-def kernel_cost(node: Node, strategy, ctx, grad: bool) -> tuple[float, float] | None:
+def kernel_cost(node: Node, strategy, ctx, grad: bool, operand_grads: tuple[bool, ...] | None = None
+                ) -> tuple[float, float] | None:
     """(seconds, bytes) by the cost of the strategy's kernel (of the op, for "local"); None: default."""
     if strategy.kernel == "local":
         fn = _LOCAL_COSTS.get(node.target)
-    else:
-        kernel = _KERNELS.get(strategy.kernel)
-        fn = kernel.cost if kernel is not None else None
-    return fn(node, strategy, ctx, grad) if fn else None
+        return fn(node, strategy, ctx, grad, operand_grads) if fn else None
+    kernel = _KERNELS.get(strategy.kernel)
+    return kernel.cost(node, strategy, ctx, grad) if kernel is not None and kernel.cost else None
 
 
 def _dropout(node, spec, rank, local_inputs):

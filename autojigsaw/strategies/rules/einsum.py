@@ -80,8 +80,9 @@ def einsum(node, mesh, candidates):
     return per_axis(mesh, options)
 
 
-def einsum_cost(node, strategy, ctx, grad: bool) -> tuple[float, float] | None:
-    """(seconds, NaN): 2 FLOPs per point of the letters' joint local range, at the matmul roofline."""
+def einsum_cost(node, strategy, ctx, grad: bool, operand_grads=None) -> tuple[float, float] | None:
+    """(seconds, NaN): 2 FLOPs per point of the letters' joint local range, at the matmul roofline; its
+    backward one such product per operand that needs a gradient (`operand_grads`), as a matmul's."""
     letters = _spelled(node)
     if letters is None:
         return None
@@ -96,7 +97,7 @@ def einsum_cost(node, strategy, ctx, grad: bool) -> tuple[float, float] | None:
             extent[c] = max(extent.get(c, 1), n)
     moved = sum(math.prod(s) for s in [*local, local_out]) * val.dtype.itemsize
     t = float(roofline_time(2 * math.prod(extent.values()), moved, val.dtype, ctx.device, "matmul"))
-    return t * (1 + (backward_factor(aten.mm.default) if ctx.training and grad else 0.0)), math.nan
+    return t * (1 + (backward_factor(aten.mm.default, operand_grads) if ctx.training and grad else 0.0)), math.nan
 
 
 registry.local_cost(aten.einsum.default, einsum_cost)
