@@ -69,6 +69,15 @@ def test_a_compute_dtype_the_device_lacks_is_refused():
                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
 
 
+def test_recomputation_asked_of_a_model_without_repeated_layers_says_so():
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    with pytest.raises(ValueError, match=r"activation_checkpointing='full': recomputation runs per repeated layer"
+                                         r".*has none.*named nn.ModuleList.*activation_checkpointing='none'"):
+        autojigsaw.plan(mlp, (torch.randn(4, 16),), {"tensor": 2}, device="cpu", activation_checkpointing="full")
+    assert autojigsaw.plan(mlp, (torch.randn(4, 16),), {"tensor": 2}, device="cpu",
+                           activation_checkpointing="auto").recompute == ()
+
+
 def test_selective_op_says_when_a_layer_runs_other_products_than_planned():
     """torchtitan's policy counts the products a layer dispatches; where a kernel runs another number
     than the plan counted, other ones are recomputed than were priced: said, once; gradients stay exact."""

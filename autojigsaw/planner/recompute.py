@@ -44,6 +44,10 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
                          budget: float | None, solve: Callable[..., Solution | None]) -> Recomputed:
     """The best plan under `policy` ("none", "selective", "selective-op", "full" or "auto")."""
     layers = repeated_layers(nodes, params)
+    if not layers and policy not in ("none", "auto"):
+        raise ValueError(f"activation_checkpointing={policy!r}: recomputation runs per repeated layer (a stack of "
+                         "numbered modules, as model.layers.0, model.layers.1, ...), and this model has none; hold "
+                         "the repeated blocks in a named nn.ModuleList, or give activation_checkpointing='none'")
     if policy == "none" or not layers:
         return Recomputed(problem, solve(problem, budget))
     timeouts: list[tuple[str, SolverTimeout]] = []
