@@ -455,6 +455,9 @@ def _output_placements(captured: Captured, mesh: MeshSpec, placements, training:
 
 
 def _checked(pl: Placements, mesh: MeshSpec, shape, what: str) -> Placements:
+    if isinstance(pl, (str, Placement)):
+        raise ValueError(f"{what}: {pl!r} is not a tuple of placements; give one DTensor placement per mesh axis "
+                         f"({mesh.describe()}), e.g. {tuple(Replicate() for _ in mesh.sizes)}")
     pl = tuple(pl)
     if len(pl) != mesh.ndim:
         raise ValueError(f"{what}: {len(pl)} placements for a mesh of {mesh.ndim} axes "

@@ -83,14 +83,13 @@ class Regime:
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"activation_checkpointing={self.recompute!r} is not a policy; choose one of "
                              f"{RECOMPUTE_CHOICES} ('auto' lets the planner choose per layer)")
-        if self.data_parallel not in (None, *DATA_PARALLEL_CHOICES):
-            raise ValueError(f"data_parallel={self.data_parallel!r}: choose one of {DATA_PARALLEL_CHOICES}, "
-                             "or None when the mesh has no data axis")
+        _check_data_parallel(self.data_parallel)
 
     @classmethod
     def of(cls, mesh: MeshSpec, *, mp_policy=None, activation_checkpointing: str = "none",
            data_parallel: str | None = None) -> Regime:
         """The regime for `mesh`, checked: data_parallel defaults to "fsdp" when the mesh has a data axis."""
+        _check_data_parallel(data_parallel)  # before the mesh's axes, which a wrong value would be blamed on
         axes = data_axes(mesh)
         if data_parallel is None and axes:
             data_parallel = "fsdp"
@@ -103,6 +102,12 @@ class Regime:
     @property
     def fsdp(self) -> bool:
         return self.data_parallel == "fsdp"
+
+
+def _check_data_parallel(value) -> None:
+    if value not in (None, *DATA_PARALLEL_CHOICES):
+        raise ValueError(f"data_parallel={value!r}: choose one of {DATA_PARALLEL_CHOICES}, "
+                         "or None when the mesh has no data axis")
 
 
 def data_axes(mesh: MeshSpec) -> tuple[int, ...]:

@@ -64,6 +64,11 @@ def test_budget_that_is_no_budget(budget):
 def test_placement_that_is_no_placement():
     with pytest.raises(ValueError, match=r"input 'x': 'S0' on axis 'tensor' is not a DTensor placement; give Shard"):
         _plan(input_placements=[("S0",)])
+    # a string or a lone placement is no tuple of them (a string was read as one placement per character)
+    for given in ("S(0)", Shard(0)):
+        with pytest.raises(ValueError, match=r"input 'x': .* is not a tuple of placements; give one DTensor placement "
+                                             r"per mesh axis \(tensor=2\), e.g. \(Replicate\(\),\)"):
+            _plan(input_placements=[given])
 
 
 def test_model_that_is_no_module():

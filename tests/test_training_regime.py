@@ -62,6 +62,13 @@ def test_fsdp_without_a_data_axis_names_the_mesh_axes():
         autojigsaw.plan(model, inputs, {"domain": 2, "tensor": 2}, device="cpu", data_parallel="fsdp")
 
 
+def test_an_unknown_data_parallel_lists_the_choices():
+    # the value is wrong, not the mesh: it was blamed on the mesh's axes
+    model, inputs = _llama()
+    with pytest.raises(ValueError, match=r"data_parallel='zero3': choose one of \('fsdp', 'ddp'\)"):
+        autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", data_parallel="zero3")
+
+
 def test_a_compute_dtype_the_device_lacks_is_refused():
     model, inputs = _llama()
     with pytest.raises(ValueError, match=r"param_dtype=torch.float16 cannot be computed in on device 'cpu-gloo'"):
