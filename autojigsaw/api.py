@@ -263,7 +263,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
             plan = _reused(captured, reuse.plan)
             symbolic = symbolic if plan is not None else None
         if failed is None and plan is not None:
-            check_plan(plan, mesh, captured)
+            check_plan(plan, mesh, captured, options.regime)
     except Exception as e:  # noqa: BLE001 -- as above
         failed = e
     if failed is not None:

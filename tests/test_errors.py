@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from numpy.random import rand
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
@@ -178,6 +179,15 @@ def _plan_for_other_mesh_and_wrong_inputs():
         pmodel(torch.randn(2, 6, 16))
     except ValueError as e:
         errors.append(str(e))
+    # a plan of another regime: its casts' nodes were named as another model's; a recomputation asked
+    # for beside a plan that has none was dropped without a word
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for plan_kw, kw in (({"mp_policy": bf16}, {}), ({}, {"activation_checkpointing": "full"})):
+        try:
+            autojigsaw.parallelize(MLP(), mesh, (X,), compile=False,
+                                   plan=autojigsaw.plan(MLP(), (X,), {"tensor": 2}, device="cpu", **plan_kw), **kw)
+        except ValueError as e:
+            errors.append(str(e))
     return errors
 
 
@@ -281,6 +291,10 @@ def test_plan_for_another_mesh_model_and_inputs_of_another_shape(ranks2):
                 "(64,) in the model") in errors[1]
         assert "the plan has nodes this model's program does not (mul): it was made for another model" in errors[2]
         assert "input 'x' has shape (2, 6, 16) but the plan expects this rank's shard of shape" in errors[3]
+        assert errors[4].startswith("the plan was made for precision 'bf16 compute, fp32 masters, fp32 gradient "
+                                    "sums' but parallelize is given 'model dtype': pass the mp_policy"), errors[4]
+        assert errors[5].startswith("activation_checkpointing='full' but the plan recomputes none: a plan decides"), \
+            errors[5]
 
 
 def _parameter_assigned_after_parallelize() -> str:

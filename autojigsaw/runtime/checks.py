@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ..capture import Captured
 from ..mesh import MeshSpec
 from ..plan import Plan
+from ..training import Regime
 from .exchange import from_every_rank
 
 
@@ -49,11 +50,19 @@ def check_group(device_mesh, mesh: MeshSpec) -> None:
                          f"has {dist.get_world_size()}: make the mesh cover every rank")
 
 
-def check_plan(plan: Plan, mesh: MeshSpec, captured: Captured) -> None:
-    """The plan must be for this mesh and for this model: its parameters, by name and shape."""
+def check_plan(plan: Plan, mesh: MeshSpec, captured: Captured, regime: Regime) -> None:
+    """The plan must be for this mesh, this regime and this model: its parameters, by name and shape."""
     if plan.mesh != mesh:
         raise ValueError(f"the plan was made for mesh {plan.mesh.describe()} but the module "
                          f"runs on {mesh.describe()}: plan again for this mesh")
+    if plan.precision != regime.precision.describe():
+        raise ValueError(f"the plan was made for precision '{plan.precision}' but parallelize is given "
+                         f"'{regime.precision.describe()}': pass the mp_policy the plan was made with, or plan again")
+    asked = regime.recompute
+    if asked not in ("none", "auto") and {policy for _, policy in plan.recompute} != {asked}:
+        raise ValueError(f"activation_checkpointing={asked!r} but the plan recomputes {plan.recompute_summary()}: "
+                         f"a plan decides what is recomputed; plan again with activation_checkpointing={asked!r}, "
+                         "or leave it out")
     ours = {captured.params[n.name]: tuple(n.meta["val"].shape) for n in captured.gm.graph.nodes
             if n.name in captured.params}
     planned = {n.module: n.shape for n in plan.nodes if n.kind == "param"}
