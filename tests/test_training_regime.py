@@ -32,19 +32,20 @@ from .side_by_side import build, loss_of
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _llama(batch: int = 8, seq: int = 64):
-    """The tiny Hugging Face Llama on a batch whose activations outweigh its weights."""
+def _llama(batch: int = 8, seq: int = 64, attention: str = "sdpa"):
+    """The tiny Hugging Face Llama on a batch whose activations outweigh its weights (`attention`: transformers'
+    attn_implementation, "sdpa" or "eager": matmul, softmax, matmul)."""
     import transformers as tf
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, use_cache=False)
+                         num_key_value_heads=2, vocab_size=128, use_cache=False, attn_implementation=attention)
     ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
     return tf.LlamaForCausalLM(cfg), (ids,)
 
 
-def _plan(policy: str, device="cpu", **kw) -> Plan:
-    model, inputs = _llama()
+def _plan(policy: str, device="cpu", attention: str = "sdpa", **kw) -> Plan:
+    model, inputs = _llama(attention=attention)
     return autojigsaw.plan(model, inputs, {"tensor": 2}, device=device, activation_checkpointing=policy, **kw)
 
 
@@ -112,10 +113,10 @@ def test_no_plan_even_with_recomputation_says_so():
 # ---------------------------------------------------------------- planning
 
 
-def _recomputed(plan: Plan, policy: str) -> Plan:
+def _recomputed(plan: Plan, policy: str, attention: str = "sdpa") -> Plan:
     """The same sharding with every layer recomputed under `policy`, priced."""
     layers = (("model.layers.0", policy), ("model.layers.1", policy)) if policy != "none" else ()
-    model, inputs = _llama()
+    model, inputs = _llama(attention=attention)
     return autojigsaw.evaluate(replace(plan, recompute=layers), model, inputs, device="cpu")
 
 
@@ -222,8 +223,8 @@ def test_fsdp_shards_the_weights_state_over_the_data_axis():
 # ---------------------------------------------------------------- running
 
 
-def _recompute_run(plan_json: str) -> dict:
-    ref, inputs = _llama()
+def _recompute_run(plan_json: str, attention: str = "sdpa") -> dict:
+    ref, inputs = _llama(attention=attention)
     pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), inputs, compile=False,
                                     plan=Plan.from_json(plan_json))
     opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
@@ -239,18 +240,22 @@ def _recompute_run(plan_json: str) -> dict:
     return {"grad": err / scale, "peak": peak}
 
 
-def test_recomputed_layers_give_the_same_gradients_and_free_the_predicted_memory(ranks2):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_recomputed_layers_give_the_same_gradients_and_free_the_predicted_memory(ranks2, attention):
     # On the "cpu" spec the plan keeps the layers whole, so the peak under "selective" falls in a
     # recomputed layer's backward: the model must know what torch's selective checkpoint keeps
     # there (the cached matmul outputs, the float copy of the boolean attention mask). Measured
     # drops were 5 % (selective) and 1 % (full) off the predicted; on 100 us links, which shard
     # the layers, 1 % and 4 %. "selective-op" (torchtitan's policy: k, o and up projections
-    # recomputed too) frees more than "selective" and less than "full".
-    base = _plan("none")
+    # recomputed too) frees more than "selective" and less than "full". Eager attention (matmul,
+    # softmax, matmul) makes its matmuls' contiguous copies of transposed operands and saves them:
+    # under "selective" they are recomputed, not kept with the matmul's output, and nothing saved is
+    # held during a checkpointed layer's forward (the model had selective add memory here).
+    base = _plan("none", attention=attention)
     measured, predicted = {}, {}
     for policy in ("none", "selective", "selective-op", "full"):
-        plan = _recomputed(base, policy)
-        for r in ranks2.run(_recompute_run, plan.to_json()):
+        plan = _recomputed(base, policy, attention)
+        for r in ranks2.run(_recompute_run, plan.to_json(), attention):
             assert r["grad"] <= 64 * 2.0**-24, (policy, r)
         measured[policy], predicted[policy] = r["peak"], plan.memory_per_rank
     assert measured["none"] > measured["selective"] > measured["selective-op"] > measured["full"], measured

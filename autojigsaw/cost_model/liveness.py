@@ -34,6 +34,7 @@ from torch.fx import Node
 from ..ir import Strategy, output_values, tensor_inputs
 from ..modules import layer_path, layer_units
 from ..placements import local_shape
+from .compute import ATTENTION
 from .memory import Optimizer, Saved, is_view, saved_for_backward
 
 
@@ -126,8 +127,9 @@ class MemoryModel:
     # Activations no reader saves, from their producer to their last reader: index into lin -> node
     # (what a selective policy's cache holds until the layer's backward).
     unsaved_lin: dict[int, int] = field(default_factory=dict)
-    # Copies an op makes of an input and saves (a boolean mask made float), by the node: index into
-    # lin -> node (what a selective policy recomputes even where it keeps the node's outputs).
+    # Copies an op makes and saves (a boolean mask made float, a matmul's contiguous copy of a transposed
+    # operand), by the node: index into lin -> node (what a selective policy recomputes even where it
+    # keeps the node's outputs).
     remade_lin: dict[int, int] = field(default_factory=dict)
     # Each moved copy its consumer does not save, over no point yet (from just after the consumer):
     # what a selective policy's cache holds, as the output of a collective, until the layer's backward.
@@ -387,6 +389,8 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
             extra = np.where(np.isnan(hooked), extra if extra is not None else 0.0, hooked)
         if extra is not None and np.any(extra):
             model.kept_lin[len(model.lin)] = k
+            if node.target not in ATTENTION:  # copies the op makes to save (a matmul's contiguous operands)
+                model.remade_lin[len(model.lin)] = k  # attention's log-sum-exp is its kernel's own output: cached
             model.lin.append(LinearItem(k, model.vector(extra), fwd(k), bwd(k), 1.0))
 
     for i, node in enumerate(nodes):

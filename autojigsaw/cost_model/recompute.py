@@ -117,8 +117,11 @@ def with_recompute(memory: MemoryModel, layers: list[Layer], dropped: list[froze
         # a value the layer's last node reads last is saved from just after the layer: dropped whole
         if not (item.start <= end_fwd + 1 and item.end >= start_bwd):
             return [item]
-        return [x for x in (replace_span(item, item.start, end_fwd), replace_span(item, start_bwd, item.end))
-                if x.start <= x.end]
+        # checkpoint saves nothing in the layer's forward: a saved value is gone after its last read (its
+        # own item), a copy an op makes to save (starting at that op's point) once the op returns
+        made = isinstance(item, LinearItem) and item.start == item.node
+        return [x for x in (replace_span(item, item.start, item.start if made else item.start - 1),
+                            replace_span(item, start_bwd, item.end)) if x.start <= x.end]
 
     # selective checkpointing caches the outputs of the ops it keeps until the layer's backward
     # recomputes it (and takes them back), whether or not a reader saves them (a saved one is held
