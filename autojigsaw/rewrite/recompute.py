@@ -59,7 +59,7 @@ def _op_policy(counts: Counter, ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _op_contexts(counts: Counter | None = None):
-    """The selective checkpoint contexts of "selective-op", counting products in `counts` (a new Counter: none given)."""
+    """The selective checkpoint contexts of "selective-op", counting products in `counts` (none: a new one)."""
     return create_selective_checkpoint_contexts(functools.partial(_op_policy, Counter() if counts is None else counts))
 
 
@@ -79,7 +79,8 @@ class Checkpointed(nn.Module):
             return checkpoint(self.module, *args, use_reentrant=False, context_fn=_op_contexts)
         if self.policy == "selective-op":
             counts = Counter()
-            out = checkpoint(self.module, *args, use_reentrant=False, context_fn=functools.partial(_op_contexts, counts))
+            context = functools.partial(_op_contexts, counts)
+            out = checkpoint(self.module, *args, use_reentrant=False, context_fn=context)
             if counts["forward"] != self.products:
                 warnings.warn(f"{self.layer} ran {counts['forward']} matrix products (aten.mm/addmm) where the plan "
                               f"counted {self.products}: 'selective-op' recomputes other ones than it priced, so the "
