@@ -4,9 +4,9 @@ Plain, checked data shared by every stage: `Precision` reads torch's own FSDP2
 `MixedPrecisionPolicy`; `Regime.recompute` speaks torchtitan's vocabulary ("selective" keeps
 matmul and attention outputs and recomputes the rest, convolutions included; "selective-op" is
 torchtitan's op-level policy, which recomputes every second matrix product too; "full" keeps only
-a layer's input); `Regime.data_parallel` says what a mesh axis named "data"/"dp" does with the weights ("fsdp"
-shards them, parameters, gradients and optimizer state, "ddp" keeps them whole and all-reduces
-gradients).
+a layer's input); `Regime.data_parallel` says what a mesh axis named "data"/"dp" does with the
+weights ("fsdp" shards them, parameters, gradients and optimizer state, "ddp" keeps them whole and
+all-reduces gradients).
 """
 
 from __future__ import annotations
