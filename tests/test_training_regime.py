@@ -53,7 +53,8 @@ def _plan(policy: str, device="cpu", attention: str = "sdpa", **kw) -> Plan:
 
 
 def test_an_unknown_recomputation_policy_lists_the_choices():
-    with pytest.raises(ValueError, match=r"activation_checkpointing='some'.*'auto', 'none', 'selective', 'selective-op', 'full'"):
+    with pytest.raises(ValueError, match=r"activation_checkpointing='some'.*"
+                                         r"'auto', 'none', 'selective', 'selective-op', 'full'"):
         _plan("some")
 
 
@@ -98,7 +99,8 @@ def test_selective_op_says_when_a_layer_runs_other_products_than_planned():
         warnings.simplefilter("error")
         got = torch.autograd.grad(as_planned(x).sum(), [x, *layer.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.warns(UserWarning, match=r"model.layers.0 ran 3 matrix products \(aten.mm/addmm\) where the plan counted 2"):
+    with pytest.warns(UserWarning, match=r"model.layers.0 ran 3 matrix products \(aten.mm/addmm\) where the plan "
+                                         r"counted 2"):
         miscounted(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
