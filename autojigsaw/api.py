@@ -72,6 +72,11 @@ class Options:
                                    or not 0 < budget < float("inf")):
             raise ValueError(f"memory_budget={budget!r} is not a budget: give bytes per rank as a positive number "
                              "(e.g. 40 * 2**30 for 40 GiB), or None for the default")
+        if not isinstance(self.training, bool):
+            raise ValueError(f"training={self.training!r}: give True (forward, backward and optimizer step) or False")
+        if self.tie_layers is not None and not isinstance(self.tie_layers, bool):
+            raise ValueError(f"tie_layers={self.tie_layers!r}: give True, False or None (tie repeated layers only "
+                             "in big problems)")
 
 
 def _check_model(model) -> None:

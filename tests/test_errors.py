@@ -72,6 +72,13 @@ def test_placement_that_is_no_placement():
             _plan(input_placements=[given])
 
 
+@pytest.mark.parametrize("flag", ["training", "tie_layers"])
+def test_a_flag_that_is_no_bool(flag):
+    # "yes" (or 1) was taken as true without a word
+    with pytest.raises(ValueError, match=rf"{flag}='yes': give True"):
+        _plan(**{flag: "yes"})
+
+
 def test_model_that_is_no_module():
     with pytest.raises(ValueError, match=r"must be a torch.nn.Module, got function"):
         autojigsaw.plan(lambda x: x, (X,), {"tensor": 2}, device="cpu")
