@@ -28,6 +28,7 @@ from .liveness import LinearItem, MaxItem, MemoryModel, PairItem
 
 # rewrite/recompute.py's SAVED_OPS, as captured (an einsum dispatches the bmm or mm it is)
 SELECTIVE_KEEPS = (MATMULS - CONVS - TRANSPOSED_CONVS) | ATTENTION | {aten.einsum.default}
+PRODUCTS = {aten.mm.default, aten.addmm.default}  # what torchtitan's op-level policy counts, as dispatched
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def recomputed_nodes(layer: Layer, nodes: list[Node], policy: str) -> frozenset[
 def dispatches_product(node: Node) -> bool:
     """Whether a captured node runs as one 2-D matrix product (aten.mm, or addmm with a bias):
     a linear, or a matmul whose second operand is a matrix (a batched one runs bmm)."""
-    if node.target in (aten.linear.default, aten.mm.default, aten.addmm.default):
+    if node.target in PRODUCTS or node.target == aten.linear.default:
         return True
     if node.target == aten.matmul.default:
         a, b = (arg.meta.get("val") if isinstance(arg, Node) else None for arg in node.args[:2])

@@ -23,7 +23,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..capture import Captured
-from ..cost_model.recompute import dispatches_product
+from ..cost_model.recompute import PRODUCTS, dispatches_product
 from ..modules import layer_path
 from ..plan import Plan
 from ..ir import ORIGIN
@@ -39,9 +39,6 @@ SAVED_OPS = {
     c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default,
     c10d.all_to_all_single.default, c10d.wait_tensor.default,
 }
-
-
-PRODUCTS = {aten.mm.default, aten.addmm.default}  # what torchtitan's op-level policy counts
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
-from .base import AxisOption, per_axis, register
+from .base import AxisOption, other_dims_split, per_axis, register
 
 aten = torch.ops.aten
 R = Replicate()
@@ -36,15 +36,7 @@ def along_a_dim(node, mesh, candidates):
         return None
     along = dim % x.ndim
     n_out = len(node.meta["val"]) if isinstance(node.meta["val"], (tuple, list)) else 1
-
-    def options(n):
-        opts = [AxisOption((R,), (R,) * n_out)]
-        if n > 1:
-            opts += [AxisOption((Shard(d),), (Shard(d),) * n_out, note=f"along dim {along}, split on {d}")
-                     for d in range(x.ndim) if d != along and x.shape[d] >= n]
-        return opts
-
-    return per_axis(mesh, options)
+    return per_axis(mesh, other_dims_split(x.shape, {along}, n_out, note=f"a dim it does not work along ({along})"))
 
 
 @register(aten.type_as.default)

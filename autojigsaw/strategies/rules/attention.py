@@ -250,6 +250,8 @@ def _ring_time(node, strategy, ctx, shapes, block: float, moved: int, dtype, cau
 for _name in RINGS:
     registry.add(registry.Kernel(_name, _ring_call, _ring_traffic, attention_cost))
 registry.add(registry.Kernel("kv_gather_attention", _gathered_call, cost=attention_cost))
+
+
 def _local_attention_cost(node, strategy, ctx, grad: bool, operand_grads) -> tuple[float, float]:
     """attention_cost: SDPA's backward kernel computes the gradients of q, k and v together, needed or not."""
     return attention_cost(node, strategy, ctx, grad)

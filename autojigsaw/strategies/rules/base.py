@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
 from ...ir import Strategy, draws_random_numbers
@@ -65,6 +65,20 @@ def per_axis(mesh: MeshSpec, options: Callable[[int], list[AxisOption]]):
         notes = "; ".join(f"{axis}: {o.note}" for axis, o in zip(mesh.axis_names, combo) if o.note)
         out.append(Strategy(inputs, outputs, kernel=kernels.pop() if kernels else "local", note=notes))
     return out
+
+
+def other_dims_split(shape: Sequence[int], whole: set[int], n_out: int = 1,
+                     note: str = "") -> Callable[[int], list[AxisOption]]:
+    """`per_axis` options of a one-input op that works along the dims in `whole` (a sort, an FFT):
+    replicated, or split on any other dim, which it treats as a batch (each of `n_out` outputs alike)."""
+    def options(n: int) -> list[AxisOption]:
+        opts = [AxisOption((Replicate(),), (Replicate(),) * n_out)]
+        if n > 1:
+            opts += [AxisOption((Shard(d),), (Shard(d),) * n_out, note=note)
+                     for d in range(len(shape)) if d not in whole and shape[d] >= n]
+        return opts
+
+    return options
 
 
 def kernel_axis(node: Node, placements: Placements, dim: int, kernel: str) -> int:

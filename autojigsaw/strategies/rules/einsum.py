@@ -6,7 +6,7 @@ Per mesh axis, for an explicit equation ("bixy,ioxy->boxy"; "..." spelled out, r
   replicated         every operand Replicate                                             -> Replicate
 A letter repeated within one operand (a diagonal) is never sharded; an equation without "->"
 (implicit output) gets no rule. Priced as a matmul: 2 FLOPs per point of the letters' joint range,
-and a backward of twice that (a gradient for each of two operands; one that needs none is not seen here).
+and in backward that again for each operand that needs a gradient.
 """
 
 from __future__ import annotations

@@ -8,13 +8,11 @@ stays whole: a distributed FFT would need an all-to-all per dim.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
-from .base import AxisOption, per_axis, register
+from .base import other_dims_split, per_axis, register
 
 aten = torch.ops.aten
-R = Replicate()
 _ONE_DIM = (aten.fft_fft.default, aten.fft_ifft.default, aten.fft_rfft.default, aten.fft_irfft.default,
             aten.fft_hfft.default, aten.fft_ihfft.default)
 _TWO_DIMS = (aten.fft_fft2.default, aten.fft_ifft2.default, aten.fft_rfft2.default, aten.fft_irfft2.default)
@@ -25,15 +23,7 @@ _N_DIMS = (aten.fft_fftn.default, aten.fft_ifftn.default, aten.fft_rfftn.default
 def fft(node: Node, mesh, candidates):
     x = node.args[0].meta["val"]
     transformed = _transformed_dims(node, x.ndim)
-
-    def options(n):
-        opts = [AxisOption((R,), (R,))]
-        if n > 1:
-            opts += [AxisOption((Shard(d),), (Shard(d),), note="a dim the FFT does not transform")
-                     for d in range(x.ndim) if d not in transformed and x.shape[d] >= n]
-        return opts
-
-    return per_axis(mesh, options)
+    return per_axis(mesh, other_dims_split(x.shape, transformed, note="a dim the FFT does not transform"))
 
 
 def _transformed_dims(node: Node, ndim: int) -> set[int]:
