@@ -12,17 +12,16 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from ...cost_model.compute import memory_time
 from ...kernels import registry
 from ...kernels.halo import halo_pad
 from ...placements import local_shape
 from . import halo
-from .base import AxisOption, per_axis, register
+from .base import AxisOption, other_dims_split, per_axis, register
 
 aten = torch.ops.aten
-R = Replicate()
 HALO_PAD = "halo_pad"
 _MODES = ("constant", "circular", "reflect", "replicate")
 
@@ -32,10 +31,11 @@ def pad(node, mesh, candidates):
     x, y = node.args[0].meta["val"], node.meta["val"]
     padded, maps = _padded(node), _row_maps(node)
 
+    batch_split = other_dims_split(x.shape, set(padded))
+
     def options(n):
-        opts = [AxisOption((R,), (R,))]
+        opts = batch_split(n)
         if n > 1:
-            opts += [AxisOption((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d not in padded and x.shape[d] >= n]
             opts += [AxisOption((Shard(d),), (Shard(d),), kernel=HALO_PAD, note="rows and halos") for d in maps]
         return opts
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from ...cost_model.compute import backward_factor, flops, roofline_time
 from ...dtypes import acc_dtype
@@ -23,10 +23,9 @@ from ...kernels import registry
 from ...kernels.safe_softmax import sharded_safe_softmax
 from ...kernels.softmax import sharded_log_softmax, sharded_softmax
 from ...placements import local_shape
-from .base import AxisOption, kernel_axis, per_axis, register
+from .base import AxisOption, kernel_axis, other_dims_split, per_axis, register
 
 aten = torch.ops.aten
-R = Replicate()
 
 _KERNELS = {
     aten._softmax.default: sharded_softmax, aten.softmax.int: sharded_softmax,
@@ -53,14 +52,12 @@ def softmax(node, mesh, candidates):
     dim = node.args[1] % x.ndim
     kernel_ok = x.is_floating_point() and half_to_float(node) is not None
 
+    batch_split = other_dims_split(x.shape, {dim})
+
     def options(n):
-        opts = [AxisOption((R,), (R,))]
-        if n > 1:
-            opts += [AxisOption((Shard(d),), (Shard(d),)) for d in range(x.ndim)
-                     if d != dim and x.shape[d] >= n]
-            if kernel_ok and x.shape[dim] >= n:
-                opts.append(AxisOption((Shard(dim),), (Shard(dim),), kernel="sharded_softmax",
-                                       note="softmax dim sharded"))
+        opts = batch_split(n)
+        if n > 1 and kernel_ok and x.shape[dim] >= n:
+            opts.append(AxisOption((Shard(dim),), (Shard(dim),), kernel="sharded_softmax", note="softmax dim sharded"))
         return opts
 
     return [s for s in per_axis(mesh, options) if s.inputs[0].count(Shard(dim)) <= 1]
