@@ -589,6 +589,10 @@ def test_an_einsum_is_priced_as_the_matmul_it_is(first):
     einsum, matmul = ([n for n in p.nodes if n.op in ("aten.einsum", "aten.matmul")][0] for p in plans)
     assert einsum.compute_s == pytest.approx(matmul.compute_s, rel=0.01), (plans[0].table(), plans[1].table())
     assert plans[0].step_time == pytest.approx(plans[1].step_time, rel=0.01), (plans[0].table(), plans[1].table())
+    # and explained as one: Plan.explain printed the einsum's FLOPs as an elementwise op's
+    formulas = [[line for line in p.explain(n.name).splitlines() if line.startswith(("matmul FLOPs", "bytes", "time:"))]
+                for p, n in zip(plans, (einsum, matmul))]
+    assert len(formulas[0]) == 3 and formulas[0] == formulas[1], formulas
 
 
 class _AlongADim(nn.Module):

@@ -12,13 +12,13 @@ and in backward that again for each operand that needs a gradient.
 from __future__ import annotations
 
 import math
-import string
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
 from ...cost_model.compute import backward_factor, roofline_time
+from ...cost_model.einsum import einsum_flops, spelled_letters
 from ...kernels import registry
 from ...placements import local_shape
 from .base import AxisOption, per_axis, register
@@ -29,23 +29,7 @@ R = Replicate()
 
 def _spelled(node: Node) -> tuple[list[str], str] | None:
     """(each operand's letters, the output's), "..." spelled out; None for an implicit output."""
-    equation = node.args[0].replace(" ", "")
-    if "->" not in equation:
-        return None
-    lhs, out = equation.split("->")
-    terms = lhs.split(",")
-    ndims = [t.meta["val"].ndim for t in node.args[1]]
-    spare = [c for c in string.ascii_letters if c not in equation]
-    widths = [n - (len(term) - 3) for term, n in zip(terms, ndims) if "..." in term]
-    dots = spare[:max(widths, default=0)]
-
-    def spell(term: str, ndim: int) -> str:
-        if "..." not in term:
-            return term
-        k = ndim - (len(term) - 3)
-        return term.replace("...", "".join(dots[len(dots) - k:]))
-
-    return [spell(term, n) for term, n in zip(terms, ndims)], spell(out, len(dots) + len(out) - 3)
+    return spelled_letters(node.args[0], [t.meta["val"].ndim for t in node.args[1]])
 
 
 @register(aten.einsum.default)
@@ -91,12 +75,8 @@ def einsum_cost(node, strategy, ctx, grad: bool, operand_grads=None) -> tuple[fl
              for t, pl in zip(node.args[1], strategy.inputs)]
     val = node.meta["val"]
     local_out = local_shape(tuple(val.shape), strategy.outputs[0], ctx.mesh.sizes, ctx.coord0)
-    extent: dict[str, int] = {}
-    for term, shape in zip([*terms, out], [*local, local_out]):
-        for c, n in zip(term, shape):
-            extent[c] = max(extent.get(c, 1), n)
     moved = sum(math.prod(s) for s in [*local, local_out]) * val.dtype.itemsize
-    t = float(roofline_time(2 * math.prod(extent.values()), moved, val.dtype, ctx.device, "matmul"))
+    t = float(roofline_time(einsum_flops(terms, out, [*local, local_out]), moved, val.dtype, ctx.device, "matmul"))
     return t * (1 + (backward_factor(aten.mm.default, operand_grads) if ctx.training and grad else 0.0)), math.nan
 
 
