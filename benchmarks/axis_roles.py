@@ -33,7 +33,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 import autojigsaw  # noqa: E402
 import autojigsaw.api  # noqa: E402
-from autojigsaw.ir import STRATEGIES, tensor_inputs  # noqa: E402
+from autojigsaw.ir import tensor_inputs  # noqa: E402
+from benchmarks.layouts import strategies_filtered  # noqa: E402
 from benchmarks.models import build as build_mlp, sample  # noqa: E402
 from mixer_model import WeatherMixer  # noqa: E402
 from tests.hf_models import hf_model  # noqa: E402
@@ -69,26 +70,10 @@ def _keeps_roles(node, strategy, params: set[str], inputs: set[str]) -> bool:
     return all(out is None or out[TENSOR] != Shard(0) for out in strategy.outputs)
 
 
-@contextlib.contextmanager
-def roles_enforced(captured, unfiltered: list[str]):
-    """While planning `captured`: each node's strategies that keep the roles (all, where none does)."""
-    annotate = autojigsaw.api.annotate
+def roles_kept(captured, gm):
+    """The strategies that keep the roles, for benchmarks.layouts.strategies_filtered."""
     params, inputs = set(captured.params), set(captured.inputs)
-
-    def annotate_with_roles(gm, *args, **kwargs):
-        annotate(gm, *args, **kwargs)
-        for node in gm.graph.nodes:
-            kept = [s for s in node.meta[STRATEGIES] if _keeps_roles(node, s, params, inputs)]
-            if kept:
-                node.meta[STRATEGIES] = kept
-            else:
-                unfiltered.append(node.name)
-
-    autojigsaw.api.annotate = annotate_with_roles
-    try:
-        yield
-    finally:
-        autojigsaw.api.annotate = annotate
+    return lambda node, strategy: _keeps_roles(node, strategy, params, inputs)
 
 
 @functools.cache
@@ -109,7 +94,7 @@ def plan_both(name: str, mesh_shape: tuple[int, int]) -> list:
     results, unfiltered = [], []
     for enforce in (False, True):
         try:
-            with roles_enforced(captured, unfiltered) if enforce else contextlib.nullcontext():
+            with strategies_filtered(roles_kept, unfiltered) if enforce else contextlib.nullcontext():
                 results.append(autojigsaw.api.plan_captured(captured, mesh, options))
         except ValueError as e:  # no plan fits the budget
             results.append(str(e).splitlines()[0][:60])

@@ -22,6 +22,7 @@ two layers of width 64 (what the smoke test runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import logging
 import time
@@ -35,6 +36,7 @@ import autojigsaw
 from autojigsaw.cost_model.devices import GiB, device_spec
 
 from .common import Report
+from .layouts import strategies_filtered, tensor_parallel
 from .published_runs import RUNS, PublishedRun, run_named
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -142,24 +144,44 @@ def plan_run(run: PublishedRun) -> Outcome:
     spec = device_spec(run.device)
     spec = spec.compiled() if run.compiled else spec
     ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")
+
+    def planned(budget):
+        return autojigsaw.plan(model, (ids,), run.mesh, device=spec, example_kwargs={"labels": ids},
+                               memory_budget=budget, **options)
+
     start = time.perf_counter()
     try:
-        try:
-            plan = autojigsaw.plan(model, (ids,), run.mesh, device=spec, example_kwargs={"labels": ids},
-                                   memory_budget=run.memory_budget, **options)
-        except ValueError as e:
-            if not notes or "memory" not in str(e).lower():
-                raise
-            notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned without "
-                         "a memory limit")
-            plan = autojigsaw.plan(model, (ids,), run.mesh, device=spec, example_kwargs={"labels": ids},
-                                   memory_budget=_NO_BUDGET, **options)
+        if run.layout == "tensor-parallel":  # what autojigsaw would run instead, for the notes
+            own = planned(run.memory_budget)
+            notes.append(f"autojigsaw's own layout: {run.tokens_per_step / own.step_time / run.gpus:,.0f} tok/s/GPU, "
+                         f"{own.memory_per_rank / GiB:.1f} GiB")
+        unfiltered: list[str] = []
+        with layout_imposed(run, unfiltered):
+            try:
+                plan = planned(run.memory_budget)
+            except ValueError as e:
+                if not notes or "memory" not in str(e).lower():
+                    raise
+                notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned "
+                             "without a memory limit")
+                plan = planned(_NO_BUDGET)
+        if unfiltered:
+            notes.append(f"{len(set(unfiltered))} nodes have no strategy in the layout: left free")
     except Exception as e:  # noqa: BLE001 - one run that can't be planned must not hide the others
         return Outcome(run, None, None, fpt, time.perf_counter() - start, tuple(notes),
                        f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     tps = run.tokens_per_step / plan.step_time / run.gpus
     return Outcome(run, tps, plan.memory_per_rank / GiB, fpt, time.perf_counter() - start, tuple(notes),
                    split=time_split(plan))
+
+
+def layout_imposed(run: PublishedRun, unfiltered: list[str]):
+    """Planning inside the run's own layout (its `layout`), or the planner's free choice."""
+    if run.layout == "planned":
+        return contextlib.nullcontext()
+    if run.layout == "tensor-parallel":
+        return strategies_filtered(tensor_parallel(list(run.mesh).index("tensor")), unfiltered)
+    raise ValueError(f"run {run.name!r}: unknown layout {run.layout!r}; known: 'planned', 'tensor-parallel'")
 
 
 _PARTS = {"matmul": "matmul", "attention": "attention", "softmax": "softmax+norm", "norm": "softmax+norm",

@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (linked from docs/performance.md)"
+# The vanilla-TP baselines of torchtitan's async-TP runs (June 2025, the same 500 W H100 96 GB hosts). Its
+# tokens/s are per GPU (torchtitan/components/metrics.py divides a data rank's tokens by the TP degree);
+# "local batch" is per data rank; seq_len 8192 (the llama3_8b / _70b train configs at commit 820504e).
+ASYNC_TP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 # Its "selective activation checkpointing" is the 8B config's default, selective_ac_option = "op":
 # torchtitan/parallelisms/parallelize_llama.py saves mm and attention outputs "except every second mm"
 # (k, o and up projections recomputed): autojigsaw's "selective-op".
@@ -21,6 +25,9 @@ PTDP = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU 
 SELECTIVE = ("Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models, "
              "arXiv 2205.05198, Tables 3 and 5")
 
+LLAMA_3_1_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                 "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+                 "rope_theta": 500000.0, "max_position_embeddings": 131072}
 LLAMA_3_1_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
                 "rope_theta": 500000.0, "max_position_embeddings": 131072}
@@ -54,6 +61,9 @@ class PublishedRun:
     mfu: float | None = None  # as the source states it (its own FLOP count)
     memory_budget: float | None = None  # bytes the plan may use per GPU (None: 90 % of the device)
     note: str = ""
+    # "planned": the planner chooses the layout; "tensor-parallel": the run's Megatron-style layout is
+    # imposed on the "tensor" axis (its matrix weights split there, never gathered: benchmarks/layouts.py)
+    layout: str = "planned"
 
     @property
     def tokens_per_step(self) -> int:
@@ -96,29 +106,41 @@ RUNS: tuple[PublishedRun, ...] = (
         compiled=False, tokens_per_s_per_gpu=5605, memory_gib=67.0, memory_budget=92e9,
         source=TORCHTITAN + ", Table 3, row FSDP", note="the same run without torch.compile"),
     PublishedRun(
+        "torchtitan-8b-fsdp8-tp8", "llama", LLAMA_3_1_8B, gpus=64, device="h100-96gb", mesh={"data": 8, "tensor": 8},
+        global_batch=96, seq=8192, precision="bf16 mixed", recompute="selective-op", data_parallel="fsdp",
+        compiled=True, tokens_per_s_per_gpu=4378, memory_budget=92e9, layout="tensor-parallel",
+        source=ASYNC_TP + ", table Llama3 8b, row None (bfloat16), vanilla TP",
+        note="8 nodes, TP inside a node; local batch 12 per data rank; memory not published"),
+    PublishedRun(
+        "torchtitan-70b-fsdp32-tp8", "llama", LLAMA_3_1_70B, gpus=256, device="h100-96gb",
+        mesh={"data": 32, "tensor": 8}, global_batch=512, seq=8192, precision="bf16 mixed", recompute="full",
+        data_parallel="fsdp", compiled=True, tokens_per_s_per_gpu=597.3, memory_budget=92e9,
+        layout="tensor-parallel", source=ASYNC_TP + ", table Llama3 70b, row None (bfloat16), vanilla TP",
+        note="32 nodes; local batch 16 per data rank; memory not published"),
+    PublishedRun(
         "megatron-7.5b-tp4", "gpt2", _GPT_7_5B, gpus=128, device="a100", mesh={"data": 32, "tensor": 4},
         global_batch=512, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
-        compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(142, _GPT_7_5B, 2048), mfu=0.46,
+        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(142, _GPT_7_5B, 2048), mfu=0.46,
         source=PTDP + ", row 7.5B: 142 TFLOP/s per GPU (46 % of peak)",
         note="tokens/s derived from the TFLOP/s; the 46 % counts recomputation (hardware FLOPs); "
              "micro-batch size not stated (the plan runs each replica's 16 sequences at once)"),
     PublishedRun(
         "megatron-18.4b-tp8", "gpt2", _GPT_18_4B, gpus=256, device="a100", mesh={"data": 32, "tensor": 8},
         global_batch=1024, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
-        compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(135, _GPT_18_4B, 2048), mfu=0.43,
+        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(135, _GPT_18_4B, 2048), mfu=0.43,
         source=PTDP + ", row 18.4B: 135 TFLOP/s per GPU (43 % of peak)",
         note="as the 7.5B row; 32 sequences per replica"),
     PublishedRun(
         "megatron-22b-tp8-selective", "gpt2", _GPT_22B, gpus=8, device="a100", mesh={"tensor": 8},
         global_batch=4, seq=2048, precision="fp16 mixed", recompute="selective", data_parallel="ddp",
-        compiled=False, tokens_per_s_per_gpu=4 * 2048 / 1.10 / 8, mfu=0.415,
+        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=4 * 2048 / 1.10 / 8, mfu=0.415,
         source=SELECTIVE + ": 22B, TP 8, 1.10 s per iteration with sequence parallelism + selective "
                            "recomputation (1.42 s with full recomputation), MFU 41.5 %",
         note="one DGX A100; tokens/s = 4 x 2048 / 1.10 s / 8"),
     PublishedRun(
         "megatron-22b-tp8-full", "gpt2", _GPT_22B, gpus=8, device="a100", mesh={"tensor": 8},
         global_batch=4, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
-        compiled=False, tokens_per_s_per_gpu=4 * 2048 / 1.42 / 8,
+        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=4 * 2048 / 1.42 / 8,
         source=SELECTIVE + ": 22B, TP 8, 1.42 s per iteration with full recomputation (the baseline of the "
                            "row above)",
         note="one DGX A100; tokens/s = 4 x 2048 / 1.42 s / 8"),

@@ -3,7 +3,8 @@
 pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP on 8 GPUs, local
 batch 2 x 8192 tokens, bf16 mixed precision, selective activation checkpointing: 6,667 tokens/s
 per GPU at 77.0 GiB. Planned as the issue that asked for it wrote the call, on the meta device.
-benchmarks/published.py compares six more runs (torchtitan on 128 GPUs, Megatron-LM tensor parallel on 8-256).
+benchmarks/published.py compares nine more runs (torchtitan on 128 GPUs and tensor parallel on 64 and 256,
+Megatron-LM tensor parallel on 8-256).
 """
 
 import logging
@@ -33,3 +34,31 @@ def test_torchtitan_llama3_8b_on_8_h100_is_predicted_within_25_percent():
     assert abs(plan.memory_per_rank / 2**30 / 77.0 - 1) <= 0.20, plan.memory_per_rank / 2**30
     assert plan.recompute_summary() == "selective on model.layers.{0..31} (x32)"
     assert plan.precision == "bf16 compute, fp32 masters, fp32 gradient sums" and plan.data_parallel == "fsdp"
+
+
+def test_a_tensor_parallel_run_is_priced_in_its_own_layout():
+    """benchmarks/published.py prices a Megatron or torchtitan tensor-parallel run with its layout imposed:
+    every matrix weight is read split over the tensor axis, never gathered there. Left free, the planner
+    gathers the weights of this small, long-sequence Llama instead (a layout the runs did not use)."""
+    from torch.distributed.tensor import Shard
+
+    from benchmarks.layouts import strategies_filtered, tensor_parallel
+    from benchmarks.published import build, plan_options, tiny
+    from benchmarks.published_runs import run_named
+
+    run = tiny(run_named("torchtitan-8b-fsdp8-tp8"))
+    model, (options, _, _) = build(run), plan_options(run)
+    ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")
+
+    def weight_reads(plan):
+        """Per matmul or embedding: is its weight (input 1 of a linear, 0 of an embedding) split over `tensor`?"""
+        return [isinstance(n.inputs[0 if n.kind == "embedding" else 1][1], Shard)
+                for n in plan.nodes if n.kind in ("matmul", "embedding") and n.op in ("aten.linear", "aten.embedding")]
+
+    free = autojigsaw.plan(model, (ids,), run.mesh, device="h100+compile", example_kwargs={"labels": ids}, **options)
+    with strategies_filtered(tensor_parallel(list(run.mesh).index("tensor"))):
+        imposed = autojigsaw.plan(model, (ids,), run.mesh, device="h100+compile", example_kwargs={"labels": ids},
+                                  **options)
+    assert len(weight_reads(imposed)) == 2 * 7 + 2 and all(weight_reads(imposed)), imposed.table()  # 2 layers, embedding, head
+    assert not all(weight_reads(free)), free.table()
+    assert imposed.step_time >= free.step_time  # a layout imposed can only cost the planner time
