@@ -20,6 +20,11 @@ ASYNC_TP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan
 # Its "selective activation checkpointing" is the 8B config's default, selective_ac_option = "op":
 # torchtitan/parallelisms/parallelize_llama.py saves mm and attention outputs "except every second mm"
 # (k, o and up projections recomputed): autojigsaw's "selective-op".
+# MosaicML's MPT runs: Composer's FSDP (FULL_SHARD, "DEFAULT" mixed precision: bf16 compute, fp32 gradient
+# reductions), FlashAttention, eager, on H100 80 GB; only rows without gradient accumulation (one
+# microbatch per step, as the plan prices it). MPT as GPT-2's config: d_model, n_heads, n_layers,
+# expansion 4, vocab 50368, tied embeddings (MPT has no biases and ALiBi instead of learned positions).
+MPT = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 PTDP = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
         "arXiv 2104.04473, Table 1 (also NVIDIA/Megatron-LM README, 2021)")
 SELECTIVE = ("Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models, "
@@ -82,6 +87,24 @@ def _tps_from_tflops(tflops: float, cfg: dict, seq: int) -> float:
 
 
 _GPT_7_5B, _GPT_18_4B, _GPT_22B = gpt(4096, 36, 32), gpt(6144, 40, 48), gpt(6144, 48, 64)
+# MPT's feed-forward uses torch's exact GELU (nn.GELU()): one op, one saved input, where GPT-2's
+# "gelu_new" is eight elementwise ops that each save theirs (the 7B without recomputation did not fit).
+_MPT = {size: {**gpt(d, layers, heads, vocab=50368), "activation_function": "gelu"}
+        for size, (d, layers, heads) in {"7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 48, 56),
+                                         "70b": (8192, 80, 64)}.items()}
+
+
+def _mpt(size: str, gpus: int, micro_batch: int, recompute: str, tokens_per_s: float, table: str) -> PublishedRun:
+    """One MPT row of llm-foundry's H100 tables: FSDP over every GPU, sequence 2,048, one microbatch per step."""
+    return PublishedRun(
+        f"mpt-{size}-fsdp{gpus}", "gpt2", _MPT[size], gpus=gpus, device="h100", mesh={"data": gpus},
+        global_batch=micro_batch * gpus, seq=2048, precision="bf16 mixed", recompute=recompute, data_parallel="fsdp",
+        compiled=False, tokens_per_s_per_gpu=tokens_per_s,
+        source=f"{MPT}, table '{table}', row {size} 2048 {gpus} (MicroBatchSize {micro_batch}, GradAccum 1)",
+        note="Composer FSDP FULL_SHARD, activation checkpointing " + ("on" if recompute == "full" else "off"))
+
+
+_LARGE, _SMALL = "H100 80GB BF16 (Large Scale, >= 128 GPUs)", "H100 80GB BF16"
 
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
@@ -117,6 +140,12 @@ RUNS: tuple[PublishedRun, ...] = (
         data_parallel="fsdp", compiled=True, tokens_per_s_per_gpu=597.3, memory_budget=92e9,
         layout="tensor-parallel", source=ASYNC_TP + ", table Llama3 70b, row None (bfloat16), vanilla TP",
         note="32 nodes; local batch 16 per data rank; memory not published"),
+    _mpt("70b", 128, 8, "full", 1058, _LARGE),
+    _mpt("30b", 128, 8, "full", 2199, _LARGE),
+    _mpt("13b", 128, 16, "full", 5080, _LARGE),
+    _mpt("7b", 128, 6, "none", 10475, _LARGE),
+    _mpt("13b", 8, 2, "none", 4792, _SMALL),
+    _mpt("7b", 8, 6, "none", 10643, _SMALL),
     PublishedRun(
         "megatron-7.5b-tp4", "gpt2", _GPT_7_5B, gpus=128, device="a100", mesh={"data": 32, "tensor": 4},
         global_batch=512, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
