@@ -151,10 +151,6 @@ def plan_run(run: PublishedRun) -> Outcome:
 
     start = time.perf_counter()
     try:
-        if run.layout == "tensor-parallel":  # what autojigsaw would run instead, for the notes
-            own = planned(run.memory_budget)
-            notes.append(f"autojigsaw's own layout: {run.tokens_per_step / own.step_time / run.gpus:,.0f} tok/s/GPU, "
-                         f"{own.memory_per_rank / GiB:.1f} GiB")
         unfiltered: list[str] = []
         with layout_imposed(run, unfiltered):
             try:
@@ -167,12 +163,24 @@ def plan_run(run: PublishedRun) -> Outcome:
                 plan = planned(_NO_BUDGET)
         if unfiltered:
             notes.append(f"{len(set(unfiltered))} nodes have no strategy in the layout: left free")
+        if run.layout != "planned":
+            notes.append(own_layout(run, planned))
     except Exception as e:  # noqa: BLE001 - one run that can't be planned must not hide the others
         return Outcome(run, None, None, fpt, time.perf_counter() - start, tuple(notes),
                        f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     tps = run.tokens_per_step / plan.step_time / run.gpus
     return Outcome(run, tps, plan.memory_per_rank / GiB, fpt, time.perf_counter() - start, tuple(notes),
                    split=time_split(plan))
+
+
+def own_layout(run: PublishedRun, planned) -> str:
+    """What autojigsaw would run instead of the run's own layout, for the notes."""
+    try:
+        own = planned(run.memory_budget)
+    except ValueError as e:
+        return f"autojigsaw's own layout: no plan ({str(e).splitlines()[0][:80]})"
+    return (f"autojigsaw's own layout: {run.tokens_per_step / own.step_time / run.gpus:,.0f} tok/s/GPU, "
+            f"{own.memory_per_rank / GiB:.1f} GiB")
 
 
 def layout_imposed(run: PublishedRun, unfiltered: list[str]):
