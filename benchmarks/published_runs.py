@@ -86,7 +86,14 @@ def _tps_from_tflops(tflops: float, cfg: dict, seq: int) -> float:
     return tflops * 1e12 / per_token
 
 
-_GPT_7_5B, _GPT_18_4B, _GPT_22B = gpt(4096, 36, 32), gpt(6144, 40, 48), gpt(6144, 48, 64)
+def megatron_gpt(hidden: int, layers: int, heads: int) -> dict:
+    """Megatron-LM's GPT of 2021-22 as it ran: its GELU one fused kernel (bias_gelu, the tanh form:
+    GPT-2's "gelu_new" is eight elementwise ops), its attention two batched matmuls around a fused
+    scaled, masked softmax (no FlashAttention yet): transformers' "eager" attention."""
+    return {**gpt(hidden, layers, heads), "activation_function": "gelu_pytorch_tanh", "attn_implementation": "eager"}
+
+
+_GPT_7_5B, _GPT_18_4B, _GPT_22B = megatron_gpt(4096, 36, 32), megatron_gpt(6144, 40, 48), megatron_gpt(6144, 48, 64)
 # MPT's feed-forward uses torch's exact GELU (nn.GELU()): one op, one saved input, where GPT-2's
 # "gelu_new" is eight elementwise ops that each save theirs (the 7B without recomputation did not fit).
 _MPT = {size: {**gpt(d, layers, heads, vocab=50368), "activation_function": "gelu"}
