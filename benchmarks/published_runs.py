@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (linked from docs/performance.md)"
+# Its "selective activation checkpointing" is the 8B config's default, selective_ac_option = "op":
+# torchtitan/parallelisms/parallelize_llama.py saves mm and attention outputs "except every second mm"
+# (k, o and up projections recomputed): autojigsaw's "selective-op".
 # The vanilla-TP baselines of torchtitan's async-TP runs (June 2025, the same 500 W H100 96 GB hosts). Its
 # tokens/s are per GPU (torchtitan/components/metrics.py divides a data rank's tokens by the TP degree);
 # "local batch" is per data rank; seq_len 8192 (the llama3_8b / _70b train configs at commit 820504e).
 ASYNC_TP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
-# Its "selective activation checkpointing" is the 8B config's default, selective_ac_option = "op":
-# torchtitan/parallelisms/parallelize_llama.py saves mm and attention outputs "except every second mm"
-# (k, o and up projections recomputed): autojigsaw's "selective-op".
 # MosaicML's MPT runs: Composer's FSDP (FULL_SHARD, "DEFAULT" mixed precision: bf16 compute, fp32 gradient
 # reductions), FlashAttention, eager, on H100 80 GB; only rows without gradient accumulation (one
 # microbatch per step, as the plan prices it). MPT as GPT-2's config: d_model, n_heads, n_layers,
@@ -136,7 +136,8 @@ RUNS: tuple[PublishedRun, ...] = (
         compiled=False, tokens_per_s_per_gpu=5605, memory_gib=67.0, memory_budget=92e9,
         source=TORCHTITAN + ", Table 3, row FSDP", note="the same run without torch.compile"),
     PublishedRun(
-        "torchtitan-8b-fsdp8-tp8", "llama", LLAMA_3_1_8B, gpus=64, device="h100-96gb", mesh={"data": 8, "tensor": 8},
+        "torchtitan-8b-fsdp8-tp8", "llama", LLAMA_3_1_8B, gpus=64, device="h100-96gb",
+        mesh={"data": 8, "tensor": 8},
         global_batch=96, seq=8192, precision="bf16 mixed", recompute="selective-op", data_parallel="fsdp",
         compiled=True, tokens_per_s_per_gpu=4378, memory_budget=92e9, layout="tensor-parallel",
         source=ASYNC_TP + ", table Llama3 8b, row None (bfloat16), vanilla TP",
@@ -156,14 +157,16 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         "megatron-7.5b-tp4", "gpt2", _GPT_7_5B, gpus=128, device="a100", mesh={"data": 32, "tensor": 4},
         global_batch=512, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
-        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(142, _GPT_7_5B, 2048), mfu=0.46,
+        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(142, _GPT_7_5B, 2048),
+        mfu=0.46,
         source=PTDP + ", row 7.5B: 142 TFLOP/s per GPU (46 % of peak)",
         note="tokens/s derived from the TFLOP/s; the 46 % counts recomputation (hardware FLOPs); "
              "micro-batch size not stated (the plan runs each replica's 16 sequences at once)"),
     PublishedRun(
         "megatron-18.4b-tp8", "gpt2", _GPT_18_4B, gpus=256, device="a100", mesh={"data": 32, "tensor": 8},
         global_batch=1024, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
-        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(135, _GPT_18_4B, 2048), mfu=0.43,
+        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(135, _GPT_18_4B, 2048),
+        mfu=0.43,
         source=PTDP + ", row 18.4B: 135 TFLOP/s per GPU (43 % of peak)",
         note="as the 7.5B row; 32 sequences per replica"),
     PublishedRun(

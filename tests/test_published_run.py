@@ -59,6 +59,7 @@ def test_a_tensor_parallel_run_is_priced_in_its_own_layout():
     with strategies_filtered(tensor_parallel(list(run.mesh).index("tensor"))):
         imposed = autojigsaw.plan(model, (ids,), run.mesh, device="h100+compile", example_kwargs={"labels": ids},
                                   **options)
-    assert len(weight_reads(imposed)) == 2 * 7 + 2 and all(weight_reads(imposed)), imposed.table()  # 2 layers, embedding, head
+    # 7 projections in each of 2 layers, the embedding and the head
+    assert len(weight_reads(imposed)) == 2 * 7 + 2 and all(weight_reads(imposed)), imposed.table()
     assert not all(weight_reads(free)), free.table()
     assert imposed.step_time >= free.step_time  # a layout imposed can only cost the planner time
