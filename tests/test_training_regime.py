@@ -222,6 +222,19 @@ def test_fsdp_shards_the_weights_state_over_the_data_axis():
     assert fsdp.comm_bytes > ddp.comm_bytes  # gathers twice, reduce-scatters once, on top
 
 
+def test_the_fsdp_traffic_a_step_hides_slows_the_compute_beside_it():
+    """Compute that hides FSDP's gathers and reductions runs slower beside them (the GPUs' overlap_slowdown,
+    18.9 % by arXiv 2507.03114): the step grows by that share of the hidden traffic, in proportion."""
+    from autojigsaw.cost_model.devices import device_spec
+
+    model, inputs = _llama(batch=64, seq=256)
+    steps = [autojigsaw.plan(model, inputs, {"data": 8}, device=replace(device_spec("h100"), overlap_slowdown=x),
+                             mp_policy=BF16).step_time for x in (0.0, 0.2, 0.4)]
+    assert steps[0] < steps[1] < steps[2]
+    assert steps[2] - steps[0] == pytest.approx(2 * (steps[1] - steps[0]), rel=1e-9)
+    assert device_spec("h100").overlap_slowdown == device_spec("a100").overlap_slowdown > 0
+
+
 # ---------------------------------------------------------------- running
 
 

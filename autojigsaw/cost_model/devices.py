@@ -105,6 +105,7 @@ class DeviceSpec:
     efficiency: tuple[tuple[str, Efficiency], ...] = ()  # (kernel kind, efficiency)
     fused_pointwise: bool = False
     tf32: bool = False
+    overlap_slowdown: float = 0.0  # compute beside a collective runs this much slower (they share the device)
 
     def __post_init__(self):
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0 or self.devices_per_node < 1:
@@ -113,6 +114,8 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r} needs positive peak FLOP/s, one per dtype")
         if self.kernel_floor_s < 0:
             raise ValueError(f"device {self.name!r}: kernel_floor_s must be >= 0")
+        if not 0 <= self.overlap_slowdown < 1:
+            raise ValueError(f"device {self.name!r}: overlap_slowdown {self.overlap_slowdown} must be in [0, 1)")
         unknown = {k for k, _ in self.efficiency} - set(KERNEL_KINDS)
         if unknown:
             raise ValueError(f"device {self.name!r}: unknown kernel kinds {sorted(unknown)}; known: {KERNEL_KINDS}")
@@ -184,6 +187,8 @@ class DeviceSpec:
                                                                           else "FLOP")) for kind in KERNEL_KINDS]
         if self.fused_pointwise:
             rows.append(("elementwise ops", "fused (torch.compile)"))
+        if self.overlap_slowdown:
+            rows.append(("compute beside FSDP's collectives", f"{self.overlap_slowdown:.1%} slower"))
         if self.tf32:
             rows.append(("fp32 matmuls", "TF32 on tensor cores"))
         return tabulate(rows, headers=[self.name, ""], tablefmt="simple")
@@ -245,6 +250,12 @@ _HOPPER_ATTENTION = Efficiency(0.35, 6.0e-6 * 0.35 * 989.4e12)
 _STREAM = Efficiency(0.90)
 # The optimizer step: torch's fused / foreach AdamW streams parameters, gradients and two states
 # (7 fp32 passes per parameter) like a copy: the same ceiling.
+# Compute that overlaps a collective runs slower: NCCL's kernels take SMs and memory bandwidth from
+# the GEMMs beside them. Lee et al., Characterizing Compute-Communication Overlap in GPU-Accelerated
+# Distributed Deep Learning (arXiv 2507.03114, abstract): 18.9 % slower on average (40 % at most), over
+# GPT and LLaMA training on 4 A100s, H100s, MI250s and MI210s. Applied to the FSDP traffic a step
+# hides (cost_model/regime.py); measured on none of the runs benchmarks/published.py compares with.
+_OVERLAP_SLOWDOWN = 0.189
 _HOPPER_KERNELS = (("matmul", _HOPPER_GEMM), ("attention", _HOPPER_ATTENTION), ("memory", _STREAM),
                    ("optimizer", _STREAM))
 # A100: ml-engineering's MAMF 267.9 of 312 TFLOP/s (85.9 %); the 6 us per-kernel overhead as on
@@ -260,7 +271,8 @@ _AMPERE_KERNELS = (("matmul", Efficiency(267.9 / 312, 6.0e-6 * 267.9e12)),
 DEVICES: dict[str, DeviceSpec] = {
     # H100 SXM5 80 GB HBM3, 3.35 TB/s, 700 W (datasheet).
     "h100": DeviceSpec("h100", flops=_HOPPER_FLOPS, memory_bytes=80 * GiB, memory_bandwidth=3.35e12,
-                       intra_node=_NVLINK4, inter_node=_IB_400, devices_per_node=8, efficiency=_HOPPER_KERNELS),
+                       intra_node=_NVLINK4, inter_node=_IB_400, devices_per_node=8, efficiency=_HOPPER_KERNELS,
+                       overlap_slowdown=_OVERLAP_SLOWDOWN),
     # H100 SXM with 96 GB HBM2e at 2.4 TB/s, run at 500 W: the GPUs of torchtitan's published
     # runs (benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"). The driver shows ~95 GiB of
     # the six 16 GiB stacks. Its peak is "between SXM and NVL" (ibid.): the SXM peak is kept, as
@@ -268,16 +280,18 @@ DEVICES: dict[str, DeviceSpec] = {
     # 835 / 989 = 0.84).
     "h100-96gb": DeviceSpec("h100-96gb", flops=_HOPPER_FLOPS, memory_bytes=95 * GiB, memory_bandwidth=2.4e12,
                             intra_node=_NVLINK4, inter_node=_IB_400, devices_per_node=8,
-                            efficiency=_HOPPER_KERNELS),
+                            efficiency=_HOPPER_KERNELS, overlap_slowdown=_OVERLAP_SLOWDOWN),
     # H200 SXM 141 GB HBM3e, 4.8 TB/s; the H100's compute and NVLink 4 (datasheet).
     "h200": DeviceSpec("h200", flops=_HOPPER_FLOPS, memory_bytes=141 * 10**9, memory_bandwidth=4.8e12,
-                       intra_node=_NVLINK4, inter_node=_IB_400, devices_per_node=8, efficiency=_HOPPER_KERNELS),
+                       intra_node=_NVLINK4, inter_node=_IB_400, devices_per_node=8, efficiency=_HOPPER_KERNELS,
+                       overlap_slowdown=_OVERLAP_SLOWDOWN),
     # A100 SXM4 80 GB HBM2e, 2.039 TB/s (datasheet).
     "a100": DeviceSpec(
         "a100",
         flops=_AMPERE_FLOPS,
         memory_bytes=80 * GiB, memory_bandwidth=2.039e12,
         intra_node=_NVLINK3, inter_node=_IB_200, devices_per_node=8, efficiency=_AMPERE_KERNELS,
+        overlap_slowdown=_OVERLAP_SLOWDOWN,
     ),
     # A100 SXM4 40 GB HBM2, 1.555 TB/s (datasheet), four to a node: the GPUs of the Jigsaw paper's
     # runs (KIT's HoreKa "accelerated" nodes, 4x A100-40, nhr.kit.edu/userdocs/horeka/hardware).
@@ -287,6 +301,7 @@ DEVICES: dict[str, DeviceSpec] = {
         flops=_AMPERE_FLOPS,
         memory_bytes=40 * GiB, memory_bandwidth=1.555e12,
         intra_node=_NVLINK3, inter_node=_IB_200_HALF, devices_per_node=4, efficiency=_AMPERE_KERNELS,
+        overlap_slowdown=_OVERLAP_SLOWDOWN,
     ),
     # The CI machine (2 shared cores, 1 thread per rank, gloo on 127.0.0.1), rounded: what the tests
     # plan with. Quiet, calibrate measures 0.1 TFLOP/s fp32 per rank (0.05 with 4 ranks on the 2

@@ -20,7 +20,8 @@ def with_regime(plan: Plan, ctx: CostContext, recomputed) -> Plan:
 
 def with_fsdp_traffic(plan: Plan, captured: Captured, ctx: CostContext, grad: dict[str, bool]) -> Plan:
     """The plan with FSDP's traffic on the data axis: its bytes, and its time less what compute hides
-    (a layer's gathers are prefetched during the layer before; the first is not). FSDP alone sums
+    (a layer's gathers are prefetched during the layer before; the first is not), the compute that
+    hides it slowed by the device's overlap_slowdown (the two share the GPU). FSDP alone sums
     the weights' gradients over that axis: the rewritten graph leaves them to it, and it has none to
     sum for a weight that gets none (`grad`, the planned problem's: frozen, or behind a detach)."""
     values = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.name in captured.params}
@@ -33,5 +34,6 @@ def with_fsdp_traffic(plan: Plan, captured: Captured, ctx: CostContext, grad: di
         return plan
     compute = sum(n.compute_s for n in plan.nodes if n.kind != "param")
     layers = max(len(repeated_layers(list(captured.gm.graph.nodes), captured.params)), 1)
-    step = plan.step_time - fsdp_s + max(fsdp_s - compute, fsdp_s / layers)
+    exposed = max(fsdp_s - compute, fsdp_s / layers)
+    step = plan.step_time - fsdp_s + exposed + ctx.device.overlap_slowdown * (fsdp_s - exposed)
     return replace(plan, step_time=step, comm_bytes=plan.comm_bytes + fsdp_bytes)
