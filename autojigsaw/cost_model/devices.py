@@ -86,7 +86,9 @@ class DeviceSpec:
     ops into their neighbours' kernels (compute.roofline_time prices them so). `tf32`: fp32
     matmuls and convolutions run on tensor cores as TF32, as after
     `torch.backends.cuda.matmul.allow_tf32 = True` (and cudnn's), at the "tfloat32" peak
-    (cuDNN's patchwise convolutions excepted: compute.kind_name).
+    (cuDNN's patchwise convolutions excepted: compute.kind_name). `overlap_slowdown`: how much
+    slower compute runs while a collective overlaps it (they share the device; 0.189 on GPUs,
+    measured), charged on the FSDP traffic a step hides.
 
         spec = dataclasses.replace(autojigsaw.calibrate(mesh), memory_bytes=40 * 2**30)  # an autojigsaw.DeviceSpec
         plan = autojigsaw.plan(model, (x,), {"tensor": 8}, device=spec)
