@@ -11,8 +11,12 @@ import logging
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 
 import autojigsaw
+from benchmarks.layouts import strategies_filtered, tensor_parallel
+from benchmarks.published import build, plan_options, tiny
+from benchmarks.published_runs import run_named
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -40,12 +44,6 @@ def test_a_tensor_parallel_run_is_priced_in_its_own_layout():
     """benchmarks/published.py prices a Megatron or torchtitan tensor-parallel run with its layout imposed:
     every matrix weight is read split over the tensor axis, never gathered there. Left free, the planner
     gathers the weights of this small, long-sequence Llama instead (a layout the runs did not use)."""
-    from torch.distributed.tensor import Shard
-
-    from benchmarks.layouts import strategies_filtered, tensor_parallel
-    from benchmarks.published import build, plan_options, tiny
-    from benchmarks.published_runs import run_named
-
     run = tiny(run_named("torchtitan-8b-fsdp8-tp8"))
     model, (options, _, _) = build(run), plan_options(run)
     ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")

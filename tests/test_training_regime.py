@@ -19,6 +19,7 @@ from torch.distributed.tensor import Partial
 
 import autojigsaw
 from autojigsaw import Plan
+from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.liveness import ParamMemory
 from autojigsaw.cost_model.memory import saved_for_backward
 from autojigsaw.planner.milp import SolverTimeout
@@ -225,8 +226,6 @@ def test_fsdp_shards_the_weights_state_over_the_data_axis():
 def test_the_fsdp_traffic_a_step_hides_slows_the_compute_beside_it():
     """Compute that hides FSDP's gathers and reductions runs slower beside them (the GPUs' overlap_slowdown,
     18.9 % by arXiv 2507.03114): the step grows by that share of the hidden traffic, in proportion."""
-    from autojigsaw.cost_model.devices import device_spec
-
     model, inputs = _llama(batch=64, seq=256)
     steps = [autojigsaw.plan(model, inputs, {"data": 8}, device=replace(device_spec("h100"), overlap_slowdown=x),
                              mp_policy=BF16).step_time for x in (0.0, 0.2, 0.4)]

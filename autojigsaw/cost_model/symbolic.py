@@ -108,15 +108,15 @@ def node_formula(node: Node, strategy: Strategy, sizes: Sizes, device: DeviceSpe
             outs.append(dims)
             nbytes += math.prod(dims) * val.dtype.itemsize
     letters = spelled_letters(node.args[0], [len(d) for d in ins]) if node.target == aten.einsum.default else None
-    kind = op_kind(aten.mm.default if letters else node.target)
     if letters:  # priced as the matmul it is (its rule's cost)
-        flops = sympy.simplify(einsum_flops(*letters, [*ins, *outs]))
+        kind = op_kind(aten.mm.default)
+        flops, name = sympy.simplify(einsum_flops(*letters, [*ins, *outs])), kind.name
     else:
+        kind = op_kind(node.target)
         flops = sympy.simplify(kind.flops.expr.subs(dict(zip(kind.flops.args, kind.dims(ins, outs)))))
+        name = kind_name(node.target, [tuple(output_values(s)[o].shape) for s, o in tensor_inputs(node)],
+                         [tuple(v.shape) for v in output_values(node) if v is not None])
     dtype = next((v.dtype for v in output_values(node) if v is not None), torch.float32)
-    name = kind.name if letters else kind_name(
-        node.target, [tuple(output_values(s)[o].shape) for s, o in tensor_inputs(node)],
-        [tuple(v.shape) for v in output_values(node) if v is not None])
     time = roofline_time(flops, nbytes, dtype, device, name)
     return NodeFormula(name, flops, sympy.simplify(nbytes), time, kind.backward if backward else 0.0)
 
