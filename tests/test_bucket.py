@@ -3,11 +3,16 @@
 On 2 ranks under 0.7 of their replicated bytes: the tiny Llama of tests/hf_models.py planned
 with the "cpu" spec (replicated weights' gradients all-reduced: one bucket), and the weather
 mixer on links of 1 us latency (some weights gathered: a layer's gathers in one bucket).
+A bucket that gathers another bucket's values runs after it.
 """
+
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autojigsaw
 from autojigsaw.api import capture_for, regime_of
@@ -38,6 +43,38 @@ def plans():
     return {"cpu": ("llama", plan_json("llama", MESH)),
             "fast": ("mixer", autojigsaw.plan(model, inputs, MESH, device=device_spec("cpu").with_links(fast, fast),
                                               memory_budget=int(0.7 * replicated_bytes("mixer"))).to_json())}
+
+
+class _Scales(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Parameter(torch.randn(8)) for _ in range(3))
+
+    def forward(self, x):
+        return ((x * self.c).sin() * self.a * self.b).sum()
+
+
+def test_a_bucket_that_gathers_another_buckets_values_runs_after_it():
+    """a, b, c stored split over domain, read whole; a and b read by rows split over tensor, so their
+    gradients are summed over tensor (one bucket, at a's gather) before their gathers over domain,
+    which c's gather, read first, would have taken into its bucket, ahead of the values it gathers
+    (the weather mixer on 2 x 2 planned such a graph: "used before it has been defined")."""
+    model, x = _Scales(), torch.randn(4, 8)
+    mesh = MeshSpec.of({"domain": 2, "tensor": 2})
+    R, S0 = Replicate(), Shard(0)
+    edits = {"p_a": dict(outputs=((S0, R),)), "p_b": dict(outputs=((S0, R),)), "p_c": dict(outputs=((S0, R),)),
+             "mul_1": dict(inputs=((R, S0), (R, R)), outputs=((R, S0),)),
+             "mul_2": dict(inputs=((R, S0), (R, R)), outputs=((R, S0),)),
+             "sum_1": dict(inputs=((R, S0),), outputs=((R, Partial()),))}
+    whole = autojigsaw.plan(model, (x,), mesh, device="cpu")
+    plan = dataclasses.replace(whole, nodes=tuple(dataclasses.replace(n, **edits.get(n.name, {}))
+                                                  for n in whole.nodes))
+    captured = capture_for(model, (x,), {}, regime_of(mesh, "cpu", None, "none", None))
+    gm = rewrite(captured, plan, RankView.planning(mesh))  # lints the graph
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    (summed,) = (n for n in gm.graph.nodes if n.target is bucketed.bucket_grad_all_reduce)
+    gathers = [n for n in gm.graph.nodes if n.target in (C.all_gather, bucketed.bucket_all_gather)]
+    assert len(gathers) == 2 and order[summed] < max(order[g] for g in gathers), gm.code
 
 
 def _collectives(name: str, plan_text: str) -> list:

@@ -12,7 +12,9 @@ pass (run after fuse) merges collectives into the kernels of kernels/bucketed.py
       (e.g. a layer's q/k/v and gate/up weights; gradients: one reduce-scatter)
 
 The bucket runs just before the first reader of any member, so a member joins it only if its
-input is computed before that point (nothing waits on a value made later); gathers stay within
+input is computed before that point (nothing waits on a value made later); an input that is itself
+a bucketed collective's value is computed where that bucket runs, not where it stood. Buckets are
+merged in the order they run. Gathers stay within
 their repeated layer (or module outside layers): gathered values live no longer than the layer. A bucket
 holds at most BUCKET_BYTES (DDP's default bucket cap). Each member's value keeps its placements
 (on a getitem); traffic prices the bucket as one call, counted at its first member's node.
@@ -59,6 +61,7 @@ def bucket_collectives(gm: GraphModule, captured: Captured, rank, units: dict[st
     nodes = list(gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     open_buckets: dict[tuple, list[_Bucket]] = {}
+    bucket_of: dict[Node, _Bucket] = {}
     for node in nodes:
         key = _key(node, scope, params, units or {})
         if key is None:
@@ -66,7 +69,9 @@ def bucket_collectives(gm: GraphModule, captured: Captured, rank, units: dict[st
         (src,) = node.all_input_nodes
         shape, itemsize = local_numel(src, rank)
         nbytes = math.prod(shape) * itemsize
-        ready, needed = order[src], min((order[u] for u in node.users), default=len(nodes) - 1)
+        # a value a bucket gathers exists only where that bucket runs (before its first reader)
+        ready = bucket_of[src].needed if src in bucket_of else order[src]
+        needed = min((order[u] for u in node.users), default=len(nodes) - 1)
         buckets = open_buckets.setdefault(key, [])
         fits = next((b for b in buckets if max(b.ready, ready) < min(b.needed, needed)
                      and b.nbytes + nbytes <= BUCKET_BYTES), None)
@@ -74,11 +79,14 @@ def bucket_collectives(gm: GraphModule, captured: Captured, rank, units: dict[st
             fits = _Bucket(ready, needed)
             buckets.append(fits)
         fits.members.append(node)
+        bucket_of[node] = fits
         fits.ready, fits.needed, fits.nbytes = max(fits.ready, ready), min(fits.needed, needed), fits.nbytes + nbytes
-    for buckets in open_buckets.values():
-        for b in buckets:
-            if len(b.members) > 1:
-                _merge(gm, b.members, nodes[b.needed])
+    # in the order they run: a bucket that reads another's value runs after it, and a later bucket may
+    # erase (merge) the node an earlier one is inserted before, never the reverse
+    merged = sorted((b for buckets in open_buckets.values() for b in buckets if len(b.members) > 1),
+                    key=lambda b: b.needed)
+    for b in merged:
+        _merge(gm, b.members, nodes[b.needed])
     gm.graph.lint()
 
 
