@@ -22,6 +22,7 @@ from .capture import Captured, at_sizes, capture, refuse_backward_hooks
 from .capture.order import without_device_indices
 from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.estimate import CostContext
+from .cost_model.in_flight import with_in_flight
 from .cost_model.recompute import repeated_layers
 from .cost_model.regime import with_fsdp_traffic, with_regime
 from .cost_model.memory import Optimizer, optimizer_spec
@@ -353,10 +354,11 @@ def _facts(captured: Captured) -> dict[str, str]:
 
 
 def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options(),
-                  pinned: dict[str, Placements] | None = None) -> Plan:
+                  pinned: dict[str, Placements] | None = None, *, in_flight: int = 1) -> Plan:
     """The planning stages on an already captured graph: strategies, costs, solve, Plan.
 
     `pinned`: placeholder name -> placements every strategy must keep (parameters already sharded).
+    `in_flight`: microbatches whose saved activations are held at once (a pipeline stage's).
     """
     spec = device_spec(options.device)
     budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * spec.memory_bytes)
@@ -370,9 +372,14 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     t2 = time.perf_counter()
     nodes = {n.name: n for n in captured.gm.graph.nodes}
     policy = options.regime.recompute if options.training else "none"
+    persistent = {i for i, name in enumerate(problem.names) if name in captured.params or name in captured.buffers}
+
+    def held(p):
+        return replace(p, memory=with_in_flight(p.memory, in_flight, persistent))
+
     chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
-                                  budget, solve)
-    problem, solution = chosen.problem, chosen.solution
+                                  budget, lambda p, b, **kw: solve(held(p), b, **kw))
+    problem, solution = held(chosen.problem), chosen.solution
     if solution is None:
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
     t3 = time.perf_counter()

@@ -114,6 +114,8 @@ class Plan:
     data_parallel: str | None = None  # "fsdp" | "ddp" on the mesh's data axis
     stats: PlanStats | None = field(default=None, compare=False)
     explainer: Callable | None = field(default=None, compare=False, repr=False)
+    microbatches: int = 1  # per data replica and step: gradient accumulation, or the pipeline's
+    pipeline: Pipeline | None = None  # the stages over a pipe axis, each with its plan on the other axes
 
     def __getstate__(self) -> dict:
         """Plain data only: the planner's explainer stays with the process that planned."""
@@ -321,3 +323,47 @@ def format_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: the layers it runs, the pipe rank that runs it, and its plan on the other axes.
+
+    `plan` shards the stage's program over the mesh without the pipe axis and is priced per
+    microbatch; `forward_s`, `backward_s` (both gradients) and `weight_s` (the weight gradient's share,
+    which zero-bubble schedules run apart) are seconds per microbatch; `send_bytes` what it sends the
+    next stage per microbatch (its gradient comes back as large); `in_flight` the most microbatches
+    whose activations it holds at once under the schedule.
+    """
+
+    index: int
+    rank: int
+    layers: tuple[str, ...]
+    plan: Plan
+    forward_s: float
+    backward_s: float
+    weight_s: float = 0.0
+    send_bytes: int = 0
+    in_flight: int = 1
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How a plan runs over its pipe axis: PyTorch's schedule, microbatches per data replica and step,
+    virtual stages per rank, the stages in order, and the share of the step the busiest rank waits."""
+
+    axis: str
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+    stages: tuple[StagePlan, ...]
+    bubble: float = 0.0
+    fsdp_gathers: str = ""  # "once per step" under FSDP (PyTorch's schedules keep a stage's weights gathered)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.stages) // self.virtual_stages
+
+    def stages_of(self, rank: int) -> tuple[StagePlan, ...]:
+        """The stages pipe rank `rank` runs, in stage order."""
+        return tuple(s for s in self.stages if s.rank == rank)

@@ -113,3 +113,25 @@ def _check_data_parallel(value) -> None:
 def data_axes(mesh: MeshSpec) -> tuple[int, ...]:
     """The positions of the mesh's data-parallel axes (FSDP shards over the first)."""
     return tuple(a for a, name in enumerate(mesh.axis_names) if name in DATA_AXIS_NAMES)
+
+
+PIPE_AXIS_NAMES = ("pipe", "pp")
+
+
+def pipe_axis(mesh: MeshSpec) -> int | None:
+    """The position of the mesh's pipe axis (pipeline stages), or None."""
+    axes = [a for a, name in enumerate(mesh.axis_names) if name in PIPE_AXIS_NAMES]
+    if len(axes) > 1:
+        raise ValueError(f"the mesh has {len(axes)} pipe axes ({[mesh.axis_names[a] for a in axes]}); name one "
+                         f"axis {PIPE_AXIS_NAMES[0]!r} and give the others labels such as 'tensor' or 'domain'")
+    return axes[0] if axes else None
+
+
+def stage_mesh(mesh: MeshSpec) -> MeshSpec:
+    """The mesh one pipeline stage is sharded over: every axis but the pipe axis (a 1-rank 'tensor' axis
+    when there is no other)."""
+    axis = pipe_axis(mesh)
+    keep = [a for a in range(mesh.ndim) if a != axis]
+    if not keep:
+        return MeshSpec(("tensor",), (1,))
+    return MeshSpec(tuple(mesh.axis_names[a] for a in keep), tuple(mesh.sizes[a] for a in keep))

@@ -1,0 +1,428 @@
+"""Pipeline stages chosen with the sharding: where to cut, how many microbatches, which schedule.
+
+Over a pipe axis of p ranks the program is cut into p x v stages (v virtual stages per rank) at
+repeated-layer boundaries (capture/stages.py), each stage sharded over the other axes as any
+program is. The choices are searched in two passes. First, for each number of microbatches m,
+the model captured at its microbatch is planned whole on the other axes: that plan's nodes give
+each layer's forward, backward and weight-gradient seconds, the activations it saves and the
+weights it holds, and the placement of every value crossing a layer boundary. Every schedule
+and v is then estimated from those numbers: stages cut where the slowest stage is fastest
+(embeddings with the first, head and loss with the last; a stage whose weights and in-flight
+activations miss the budget is not cut), PyTorch's own order of work replayed
+(cost_model/schedule.py). Second, the fastest estimates are planned exactly: each distinct
+stage once (the middle stages alike share one plan, moved to each stage's own node names),
+its boundary values pinned to those placements and its saved activations counted once per
+microbatch in flight; the stages' times are replayed again. The first candidate whose every
+rank fits its budget is the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..capture import Captured
+from ..capture.stages import StageProgram, cut, layer_stack
+from ..cost_model.comm import collective_time
+from ..cost_model.compute import backward_factor
+from ..cost_model.devices import DeviceSpec
+from ..cost_model.schedule import SCHEDULES, SINGLE, V_SHAPED, StageTimes, rank_orders, simulate, stage_ranks
+from ..mesh import MeshSpec
+from ..modules import layer_of, module_path
+from ..placements import Placements, local_shape
+from ..plan import Pipeline, Plan, StagePlan
+from ..training import data_axes, pipe_axis, stage_mesh
+
+NO_BUDGET = 2**62
+EXACT_CANDIDATES = 3  # estimates planned exactly, fastest first, until one fits
+DEFAULT_SCHEDULES = ("1F1B", "interleaved", "zero-bubble", "gpipe")
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """What the user imposed on the pipeline (None: the planner chooses)."""
+
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+
+
+# A stage planner: (stage program's captured graph, stage mesh, input placements, output placements,
+# budget in bytes, microbatches in flight) -> its Plan.
+PlanStage = Callable[[Captured, MeshSpec, list, list | None, int, int], Plan]
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per microbatch: each repeated layer's seconds and bytes, and what runs before and after them."""
+
+    layers: tuple[str, ...]
+    forward: np.ndarray  # [before, layer 0, ..., layer L-1, after]: seconds
+    backward: np.ndarray
+    weight: np.ndarray
+    saved: np.ndarray  # bytes each holds from its forward to its backward
+    held: np.ndarray  # bytes of weights, gradients and optimizer state
+    send: float  # bytes crossing a layer boundary
+
+    def stage(self, first: int, stop: int, count_before: bool, count_after: bool) -> tuple[float, ...]:
+        """(forward, backward, weight, saved, held) of layers [first, stop) with the extras as asked."""
+        idx = [0] * count_before + list(range(first + 1, stop + 1)) + [len(self.layers) + 1] * count_after
+        return tuple(float(a[idx].sum()) for a in (self.forward, self.backward, self.weight, self.saved, self.held))
+
+
+def plan_pipeline(capture_at: Callable[[int], Captured], plan_stage: PlanStage, mesh: MeshSpec, choice: PipelineChoice,
+                  *, budget: int, batch: int, device: DeviceSpec, user_inputs: list | None = None) -> Plan:
+    """The fastest pipelined plan of the model on `mesh` (which has a pipe axis) that fits `budget` per rank.
+
+    `capture_at(m)`: the model captured at one microbatch of `m`; `batch`: the example's batch (dim 0),
+    split over the data axis and then into microbatches; `user_inputs`: placements the user pinned.
+    """
+    axis = pipe_axis(mesh)
+    ranks, sub = mesh.sizes[axis], stage_mesh(mesh)
+    replicas = _data_replicas(mesh)
+    estimates = []
+    for m in microbatch_choices(choice, batch, replicas, ranks):
+        captured = capture_at(m)
+        whole = _whole_plan(plan_stage, captured, sub, user_inputs)
+        costs = layer_costs(whole, captured)
+        for schedule, virtual in schedule_choices(choice, ranks, len(costs.layers), m):
+            link = device.axis_link(mesh.sizes, axis, mesh.axis_names[axis])
+            est = estimate(costs, schedule, ranks, virtual, m, budget, link)
+            if est is not None:
+                estimates.append((est, m, schedule, virtual, captured, whole))
+    if not estimates:
+        raise ValueError(_nothing_fits(mesh, choice, budget))
+    estimates.sort(key=lambda e: (not e[0].fits, e[0].step_time))
+    errors = []
+    for est, m, schedule, virtual, captured, whole in estimates[:EXACT_CANDIDATES]:
+        try:
+            return exact_pipeline(captured, whole, plan_stage, mesh, schedule, virtual, m, est.starts, budget,
+                                  device, user_inputs)
+        except ValueError as e:  # a stage that does not fit: the next candidate may
+            errors.append(e)
+    raise errors[0]
+
+
+def _data_replicas(mesh: MeshSpec) -> int:
+    return math.prod(mesh.sizes[a] for a in data_axes(mesh))
+
+
+def microbatch_choices(choice: PipelineChoice, batch: int, replicas: int, ranks: int) -> list[int]:
+    """The numbers of microbatches per data replica to try: the imposed one, else up to three divisors of
+    the replica's batch, the smallest microbatches first, at least one per stage where the batch allows."""
+    if batch % replicas:
+        raise ValueError(f"the batch of {batch} does not split over {replicas} data replicas: give a batch that "
+                         "the data axis divides")
+    per_replica = batch // replicas
+    if choice.microbatches is not None:
+        m = choice.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or per_replica % m:
+            raise ValueError(f"microbatches={m!r} does not divide the batch of {per_replica} rows per data replica "
+                             f"(batch {batch} over {replicas} replica(s)): give a divisor of {per_replica}")
+        return [m]
+    divisors = [d for d in range(per_replica, 0, -1) if per_replica % d == 0]
+    enough = [d for d in divisors if d >= ranks] or divisors[:1]
+    return enough[:3]
+
+
+def schedule_choices(choice: PipelineChoice, ranks: int, layers: int, microbatches: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages per rank) pairs to try; an imposed one that cannot run is a ValueError."""
+    imposed = choice.schedule is not None
+    out = []
+    for name in [choice.schedule] if imposed else DEFAULT_SCHEDULES:
+        for virtual in _virtual_choices(name, choice.virtual_stages, ranks, layers):
+            try:
+                rank_orders(name, ranks, virtual, microbatches)
+            except ValueError as e:
+                if imposed and choice.microbatches is not None:
+                    raise ValueError(f"pipeline_schedule={name!r} cannot run {microbatches} microbatches on "
+                                     f"{ranks} pipe ranks x {virtual} virtual stages ({e}); give more "
+                                     "microbatches, or another schedule") from None
+                continue
+            out.append((name, virtual))
+    if not out and imposed:
+        raise ValueError(f"pipeline_schedule={choice.schedule!r} with {ranks} pipe ranks cannot run any "
+                         f"microbatch count tried: give microbatches= (at least {ranks}) or another schedule")
+    return out
+
+
+def _virtual_choices(schedule: str, imposed: int | None, ranks: int, layers: int) -> list[int]:
+    """Virtual stages per rank a schedule takes (one for GPipe and 1F1B, two for the V of zero-bubble)."""
+    fixed = 1 if schedule in SINGLE else 2 if schedule in V_SHAPED else None
+    if imposed is not None:
+        if isinstance(imposed, bool) or not isinstance(imposed, int) or imposed < 1:
+            raise ValueError(f"virtual_stages={imposed!r}: give a positive number of stages per pipe rank")
+        if fixed is not None and imposed != fixed:
+            raise ValueError(f"pipeline_schedule={schedule!r} runs {fixed} stage(s) per pipe rank, not "
+                             f"virtual_stages={imposed}: drop virtual_stages, or choose 'interleaved'")
+        if ranks * imposed > layers:
+            raise ValueError(f"{ranks} pipe ranks x virtual_stages={imposed} = {ranks * imposed} stages, but the model "
+                             f"has {layers} repeated layers to cut between: give fewer stages")
+        return [imposed]
+    if ranks > layers:
+        raise ValueError(f"the pipe axis has {ranks} ranks but the model has {layers} repeated layers: a stage holds "
+                         "at least one layer; give a pipe axis of at most that size")
+    if fixed is not None:
+        return [fixed] if ranks * fixed <= layers else []
+    return [v for v in (2, 3, 4) if ranks * v <= layers]
+
+
+def _whole_plan(plan_stage: PlanStage, captured: Captured, sub: MeshSpec, user_inputs) -> Plan:
+    """The whole model planned on the stage mesh, as fast as it runs with no memory budget (a quick
+    solve: the budget is the stages' own): its layers' costs and the placements of the values between
+    layers."""
+    return plan_stage(captured, sub, user_inputs, None, NO_BUDGET, 1)
+
+
+def layer_costs(plan: Plan, captured: Captured) -> LayerCosts:
+    """Per-microbatch seconds and bytes of each repeated layer, and of what runs before and after them."""
+    layers = layer_stack(captured)
+    slot_of = {name: k + 1 for k, name in enumerate(layers)}
+    graph = {n.name: n for n in captured.gm.graph.nodes}
+    order = {name: i for i, name in enumerate(graph)}
+    first = min((order[n.name] for n in plan.nodes if _layer(n.module) in slot_of), default=0)
+    sums = np.zeros((5, len(layers) + 2))
+    recomputed = dict(plan.recompute)
+    for ns in plan.nodes:
+        node = graph.get(ns.name)
+        slot = slot_of.get(_layer(ns.module))
+        if slot is None:
+            readers = [order[u.name] for u in node.users] if node is not None else []
+            slot = 0 if min(readers + [order.get(ns.name, 0)]) < first else len(layers) + 1
+        if ns.kind == "param":
+            sums[4, slot] += ns.memory_bytes
+            continue
+        f, b, w = node_work(ns, node, recomputed.get(_layer(ns.module)), plan.training, captured.params)
+        sums[:4, slot] += (f, b, w, ns.memory_bytes)
+    return LayerCosts(tuple(layers), *sums, send=_boundary_bytes(plan, captured, len(layers)))
+
+
+def _layer(module: str) -> str | None:
+    found = layer_of(module)
+    return f"{found[0]}.{found[1]}" if found else None
+
+
+def node_work(ns, node, recompute: str | None, training: bool, params) -> tuple[float, float, float]:
+    """(forward, backward, weight gradient) seconds of one planned node per microbatch: its time split by the
+    op's backward factor (a recomputed node's time holds its forward twice), resharding half each way."""
+    if not training:
+        return ns.compute_s + ns.comm_s, 0.0, 0.0
+    factor = backward_factor(node.target) if node is not None and node.op == "call_function" else 0.0
+    again = recompute == "full" or (recompute is not None and ns.kind not in ("matmul", "attention"))
+    forward = ns.compute_s / (1.0 + factor + again)
+    weight = forward if ns.kind == "matmul" and any(a.name in params for a in node.all_input_nodes) else 0.0
+    return forward + ns.comm_s / 2, ns.compute_s - forward + ns.comm_s / 2, weight
+
+
+def _boundary_bytes(plan: Plan, captured: Captured, layers: int) -> float:
+    """Bytes one rank sends across a layer boundary per microbatch, as placed in `plan` (read off a cut)."""
+    if layers < 2:
+        return 0.0
+    return float(sent_bytes(plan, captured, cut(captured, [0, layers // 2])[0].sends))
+
+
+def sent_bytes(plan: Plan, captured: Captured, names: Sequence[str]) -> int:
+    """Bytes of this rank's shards of the values `names` (placed as `plan` makes them)."""
+    vals = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes}
+    coord = (0,) * plan.mesh.ndim
+    return sum(math.prod(local_shape(tuple(vals[name].shape), plan.node(name).outputs[0], plan.mesh.sizes, coord))
+               * vals[name].dtype.itemsize for name in names)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A candidate's step time and per-rank memory from layer costs, and where it cuts."""
+
+    step_time: float
+    memory: float
+    fits: bool
+    starts: tuple[int, ...]
+
+
+def estimate(costs: LayerCosts, schedule: str, ranks: int, virtual: int, microbatches: int, budget: int,
+             link) -> Estimate | None:
+    """The step and memory of a schedule from the whole plan's layer costs, cut where the slowest stage
+    is fastest among the cuts whose every stage fits its share of the budget (None: fewer layers than stages)."""
+    stages = ranks * virtual
+    if stages > len(costs.layers):
+        return None
+    owner = stage_ranks(schedule, ranks, virtual)
+    in_flight = simulate(schedule, ranks, virtual, microbatches, [StageTimes(1.0, 2.0, 1.0)] * stages).in_flight
+    starts = balanced_starts(costs, in_flight, budget // virtual) or balanced_starts(costs, in_flight, None)
+    send = _hop_seconds(costs.send, link)
+    parts = [costs.stage(a, b, s == 0, s == stages - 1) for s, (a, b) in enumerate(_spans(starts, len(costs.layers)))]
+    times = [StageTimes(f, b, w, send) for f, b, w, _, _ in parts]
+    saved = [p[3] for p in parts]
+    sim = simulate(schedule, ranks, virtual, microbatches, times, saved)
+    memory = [sum(parts[s][4] for s in range(stages) if owner[s] == r) + sim.activation_peak[r] for r in range(ranks)]
+    return Estimate(sim.step_time, max(memory), max(memory) <= budget, starts)
+
+
+def _spans(starts: Sequence[int], layers: int) -> list[tuple[int, int]]:
+    return list(zip(starts, list(starts[1:]) + [layers]))
+
+
+def _hop_seconds(nbytes: float, link) -> float:
+    return float(collective_time("send_recv", nbytes, 2, link.latency_s, link.bandwidth)) if nbytes else 0.0
+
+
+def balanced_starts(costs: LayerCosts, in_flight: Sequence[int], budget: float | None) -> tuple[int, ...] | None:
+    """The first layer of each stage, cutting where the slowest stage (forward and backward, the first and
+    last with their extras) is fastest, each stage's weights and in-flight activations within `budget`
+    (None: any); None if no cut fits."""
+    stages, n = len(in_flight), len(costs.layers)
+    work = costs.forward + costs.backward
+    prefix = np.concatenate([[0.0], np.cumsum(work[1:n + 1])])
+    saved = np.concatenate([[0.0], np.cumsum(costs.saved[1:n + 1])])
+    held = np.concatenate([[0.0], np.cumsum(costs.held[1:n + 1])])
+    best = np.full((stages + 1, n + 1), np.inf)
+    cut_at = np.zeros((stages + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for s in range(stages):
+        extra = (work[0] if s == 0 else 0.0) + (work[n + 1] if s == stages - 1 else 0.0)
+        mem_extra = ((costs.held[0] + in_flight[s] * costs.saved[0]) if s == 0 else 0.0) + \
+                    ((costs.held[n + 1] + in_flight[s] * costs.saved[n + 1]) if s == stages - 1 else 0.0)
+        for j in range(s + 1, n - (stages - s - 1) + 1):
+            i = np.arange(s, j)
+            time = prefix[j] - prefix[i] + extra
+            if budget is not None:
+                memory = held[j] - held[i] + in_flight[s] * (saved[j] - saved[i]) + mem_extra
+                time = np.where(memory <= budget, time, np.inf)
+            total = np.maximum(best[s, i], time)
+            k = int(np.argmin(total))
+            best[s + 1, j], cut_at[s + 1, j] = total[k], i[k]
+    if not np.isfinite(best[stages, n]):
+        return None
+    starts, j = [], n
+    for s in range(stages, 0, -1):
+        j = int(cut_at[s, j])
+        starts.append(j)
+    return tuple(reversed(starts))
+
+
+def exact_pipeline(captured: Captured, whole: Plan, plan_stage: PlanStage, mesh: MeshSpec, schedule: str,
+                   virtual: int, microbatches: int, starts: Sequence[int], budget: int, device: DeviceSpec,
+                   user_inputs) -> Plan:
+    """The stages of one candidate planned exactly (each distinct stage once), replayed, checked against
+    `budget` per rank; a ValueError names the stage or rank that does not fit."""
+    axis = pipe_axis(mesh)
+    ranks, sub = mesh.sizes[axis], stage_mesh(mesh)
+    programs = cut(captured, list(starts))
+    owner = stage_ranks(schedule, ranks, virtual)
+    in_flight = simulate(schedule, ranks, virtual, microbatches, [StageTimes(1.0, 2.0, 1.0)] * len(programs)).in_flight
+    plans = _stage_plans(programs, whole, plan_stage, sub, schedule, in_flight, budget // virtual, user_inputs)
+    link = device.axis_link(mesh.sizes, axis, mesh.axis_names[axis])
+    stages = []
+    for s, (prog, plan) in enumerate(zip(programs, plans)):
+        forward, backward, weight, _ = stage_work(plan, prog.captured)
+        stages.append(StagePlan(s, owner[s], prog.layers, plan, forward, backward, weight,
+                                sent_bytes(plan, prog.captured, prog.sends), in_flight[s]))
+    times = [StageTimes(st.forward_s, st.backward_s, st.weight_s, _hop_seconds(st.send_bytes, link)) for st in stages]
+    sim = simulate(schedule, ranks, virtual, microbatches, times)
+    memory = [sum(st.plan.memory_per_rank for st in stages if st.rank == r) for r in range(ranks)]
+    worst = int(np.argmax(memory))
+    if memory[worst] > budget:
+        held = [st for st in stages if st.rank == worst]
+        raise ValueError(f"pipe rank {worst} (stages {[st.index for st in held]}) needs {memory[worst] / 2**30:.2f} GiB "
+                         f"with {microbatches} microbatches under {schedule}, over the budget of {budget / 2**30:.2f} "
+                         "GiB: give fewer virtual stages, another schedule, recomputation, or a larger budget")
+    pipeline = Pipeline(mesh.axis_names[axis], schedule, microbatches, virtual, tuple(stages), sim.bubble,
+                        "once per step" if whole.data_parallel == "fsdp" else "")
+    per_step = [sum(stage_work(st.plan, programs[st.index].captured)[3] for st in stages if st.rank == r)
+                for r in range(ranks)]
+    return pipelined(mesh, pipeline, sim.step_time + max(per_step), memory, budget, whole)
+
+
+def _stage_plans(programs: list[StageProgram], whole: Plan, plan_stage: PlanStage, sub: MeshSpec, schedule: str,
+                 in_flight: Sequence[int], budget: int, user_inputs) -> list[Plan]:
+    """A plan per stage: each distinct stage (layer count, first, last) planned once with the most
+    microbatches any of its kind holds, its values between stages placed as in `whole`; the others
+    are its plan on their own nodes."""
+    last = len(programs) - 1
+    placed = {name: whole.node(name).outputs[0] for prog in programs for name in prog.sends}
+    kinds = [(len(p.layers), s == 0, s == last) for s, p in enumerate(programs)]
+    first_of = {}
+    for s, kind in enumerate(kinds):
+        first_of.setdefault(kind, s)
+    planned = {}
+    for kind, s in first_of.items():
+        prog, k = programs[s], max(f for f, other in zip(in_flight, kinds) if other == kind)
+        ins = user_inputs if s == 0 else [placed[n] for n in prog.captured.inputs]
+        outs = [placed[n] for n in prog.sends] if s < last else None
+        try:
+            planned[s] = plan_stage(prog.captured, sub, ins, outs, budget, k)
+        except ValueError as e:
+            raise ValueError(f"pipeline stage {s} of {last + 1} ({_span_name(prog.layers)}, {k} microbatch(es) in "
+                             f"flight under {schedule}) does not fit its budget: {e}") from None
+    return [planned[s] if first_of[kind] == s else transplant(planned[first_of[kind]], programs[first_of[kind]], prog)
+            for s, (kind, prog) in enumerate(zip(kinds, programs))]
+
+
+def _span_name(layers: Sequence[str]) -> str:
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}"
+
+
+def stage_work(plan: Plan, captured: Captured) -> tuple[float, float, float, float]:
+    """A stage plan's seconds: forward, backward and weight gradient per microbatch, and the rest of its step
+    (the optimizer step, FSDP's exposed traffic), once per step."""
+    graph = {n.name: n for n in captured.gm.graph.nodes}
+    recomputed = dict(plan.recompute)
+    forward = backward = weight = busy = 0.0
+    for ns in plan.nodes:
+        if ns.kind == "param":
+            continue
+        f, b, w = node_work(ns, graph.get(ns.name), recomputed.get(_layer(ns.module)), plan.training, captured.params)
+        forward, backward, weight, busy = forward + f, backward + b, weight + w, busy + ns.compute_s + ns.comm_s
+    return forward, backward, weight, plan.step_time - busy
+
+
+def transplant(plan: Plan, source: StageProgram, target: StageProgram) -> Plan:
+    """`plan` of `source` moved onto `target`, a stage of the same program on other layers: node by node."""
+    pairs = list(zip(source.captured.gm.graph.nodes, target.captured.gm.graph.nodes))
+    assert len(source.captured.gm.graph.nodes) == len(target.captured.gm.graph.nodes) and all(
+        a.op == b.op and (a.op != "call_function" or a.target == b.target) for a, b in pairs), \
+        "stages of one kind differ in their programs"
+    names = {a.name: b for a, b in pairs}
+    fqns = {source.captured.params[a.name]: target.captured.params[b.name] for a, b in pairs
+            if a.name in source.captured.params}
+    layers = dict(zip(source.layers, target.layers))
+    nodes = tuple(replace(ns, name=names[ns.name].name, module=_module(names[ns.name], target, ns.module))
+                  for ns in plan.nodes)
+    return replace(plan, nodes=nodes, param_placements={fqns[k]: v for k, v in plan.param_placements.items()},
+                   recompute=tuple((layers[layer], policy) for layer, policy in plan.recompute), explainer=None,
+                   peak_at="")
+
+
+def _module(node, program: StageProgram, fallback: str) -> str:
+    return module_path(node, program.captured.params) or fallback
+
+
+def pipelined(mesh: MeshSpec, pipeline: Pipeline, step_time: float, memory: list[int], budget: int,
+              whole: Plan) -> Plan:
+    """The plan of a pipeline: its stages' nodes and placements, first stage's inputs, last stage's outputs;
+    predicted step time, the busiest rank's memory and bytes sent per step."""
+    stages = pipeline.stages
+    nodes, seen = [], set()
+    for st in stages:
+        for ns in st.plan.nodes:
+            if ns.name not in seen:
+                seen.add(ns.name)
+                nodes.append(ns)
+    m = pipeline.microbatches
+    sent = [sum(m * (st.plan.comm_bytes + 2 * st.send_bytes) for st in stages if st.rank == r)
+            for r in range(pipeline.ranks)]
+    params = {k: v for st in stages for k, v in st.plan.param_placements.items()}
+    worst = int(np.argmax(memory))
+    return replace(whole, mesh=mesh, nodes=tuple(nodes), param_placements=params,
+                   input_placements=stages[0].plan.input_placements, output_placements=stages[-1].plan.output_placements,
+                   memory_per_rank=max(memory), comm_bytes=max(sent), step_time=step_time, memory_budget=budget,
+                   peak_at=f"pipe rank {worst}", recompute=tuple(r for st in stages for r in st.plan.recompute),
+                   stats=None, explainer=None, pipeline=pipeline, microbatches=m)
+
+
+def _nothing_fits(mesh: MeshSpec, choice: PipelineChoice, budget: int) -> str:
+    return (f"no pipeline schedule fits mesh {mesh.describe()} ({choice}): give microbatches=, "
+            f"pipeline_schedule= or virtual_stages= that the batch and layers allow")
