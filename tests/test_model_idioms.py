@@ -510,13 +510,13 @@ def _t5_trains(plan_json: str) -> dict:
 
 
 def test_t5_with_its_default_kv_cache_setting_trains_like_one_device(ranks2):
-    # T5's decoder stack reads its own copy of the config: turning the model's use_cache off left the
-    # decoder's on, and export failed on the EncoderDecoderCache it returned
+    # T5's decoder stack reads its own copy of the config: turning off only the model's use_cache would
+    # leave the decoder's on, and export would fail on the EncoderDecoderCache it returns
     model, ids = _t5()
     with _t5_norm_in_fp64():
-        # 0.8: at 0.6 the plan takes 16 s to prove optimal, at 0.7 28 s (docs/benchmarks.md, "Solve speed")
+        # 0.8: at 0.6 the plan takes 16 s to prove optimal, at 0.7 28 s
         plan = _plan_under(0.8, model, (ids,), {"labels": ids})
-    assert model.config.use_cache and model.decoder.config.use_cache  # as it was
+    assert model.config.use_cache and model.decoder.config.use_cache  # left as the user set it
     _assert_sharded_and_equal(ranks2.run(_t5_trains, plan.to_json()), plan)
 
 

@@ -258,8 +258,8 @@ def _recompute_run(plan_json: str, attention: str = "sdpa") -> dict:
 def test_recomputed_layers_give_the_same_gradients_and_free_the_predicted_memory(ranks2, attention):
     # On the "cpu" spec the plan keeps the layers whole, so the peak under "selective" falls in a
     # recomputed layer's backward: the model must know what torch's selective checkpoint keeps
-    # there (the cached matmul outputs, the float copy of the boolean attention mask); measured and
-    # predicted drops are in docs/benchmarks.md. "selective-op" (torchtitan's policy: k, o and up
+    # there (the cached matmul outputs, the float copy of the boolean attention mask; docs/benchmarks.md
+    # checks the same on eight models). "selective-op" (torchtitan's policy: k, o and up
     # projections recomputed too) frees more than "selective" and less than "full". Eager attention
     # (matmul, softmax, matmul) makes its matmuls' contiguous copies of transposed operands and saves
     # them: under "selective" they are recomputed, not kept with the matmul's output, and nothing
