@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable
 
 from torch.fx import Node
 
 _INDEX = re.compile(r"\[(\d+)\]")
+_DOT = re.compile(r"\.(?![^{}]*\})")  # a dot between names, not one inside a layer range ("{0..3}")
+_LAYER_INDEX = re.compile(r"\d+|\{.*\}")  # "3", "{0..3}", "{i}"
+ELLIPSIS = "\u2026"
 
 
 def layer_of(path: str) -> tuple[str, int] | None:
@@ -56,3 +60,50 @@ def layer_units(nodes: list[Node], params: dict[str, str]) -> dict[str, str]:
             if len(readers) == 1 and readers <= whole:
                 units[node.name] = readers.pop()
     return units
+
+
+def cut_middle(text: str, width: int) -> str:
+    """`text`, or its ends around an ellipsis when it is longer than `width` characters."""
+    if len(text) <= width:
+        return text
+    head = width // 2
+    return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head):]
+
+
+def short_paths(paths: Iterable[str], width: int) -> dict[str, str]:
+    """Each module path from its repeated layer on, cut in the middle to fit `width` where it is longer,
+    keeping its last names ("model.layers.{0..3}.self_attn.q_proj" -> "layers.{0..3}…q_proj"); no two alike."""
+    forms = {p: _short_forms(p, width) for p in set(paths)}
+    pick = dict.fromkeys(forms, 0)
+    while True:
+        holders: dict[str, list[str]] = {}
+        for p, f in forms.items():
+            holders.setdefault(f[pick[p]], []).append(p)
+        clashes = [p for same in holders.values() if len(same) > 1 for p in same if pick[p] < len(forms[p]) - 1]
+        if not clashes:
+            return {p: f[pick[p]] for p, f in forms.items()}
+        for p in clashes:
+            pick[p] += 1
+
+
+def _short_forms(path: str, width: int) -> list[str]:
+    """`path`'s short forms: the one that fits `width` with the most trailing names first (or else the
+    shortest), then longer ones, the whole path last. The names before the repeated layer ("model.") go
+    first, then middle ones; a path of one name is cut in the middle."""
+    names = _DOT.split(path)
+    at = next((k for k, name in enumerate(names) if k > 0 and _LAYER_INDEX.fullmatch(name)), 0)
+    if len(path) <= width and not at:
+        return [path]
+    merit = {}  # form -> (trailing names kept, fewer names before the layer)
+    for start in range(max(at - 1, 0), -1, -1):  # the layer ("layers.{0..3}"), then its parents
+        if at == len(names) - 1:
+            merit[".".join(names[start:])] = (0, start)
+        for tail in range(1, len(names) - at):
+            head, rest = ".".join(names[start:at + 1]), ".".join(names[len(names) - tail:])
+            form = head + ("." if at + tail == len(names) - 1 else ELLIPSIS) + rest
+            merit[form] = max(merit.get(form, (tail, start)), (tail, start))
+    merit.pop(path, None)
+    fitting = [f for f in merit if len(f) <= width]
+    first = (max(fitting, key=merit.__getitem__) if fitting else min(merit, key=len) if merit
+             else cut_middle(path, width))
+    return [first] + sorted((f for f in merit if len(f) > len(first)), key=len) + [path]

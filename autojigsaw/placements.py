@@ -16,8 +16,8 @@ from torch.distributed.tensor.placement_types import Placement
 Placements = tuple[Placement, ...]
 
 __all__ = [
-    "Partial", "Placement", "Placements", "Replicate", "Shard", "chunk_sizes", "format_placements",
-    "local_offset", "local_shape", "normalize", "parse_placements", "replicated",
+    "Partial", "Placement", "Placements", "Replicate", "Shard", "chunk_sizes", "compact_placements",
+    "format_placements", "local_offset", "local_shape", "normalize", "parse_placements", "replicated",
 ]
 
 
@@ -80,6 +80,19 @@ def _format_one(p: Placement) -> str:
     if isinstance(p, Partial):
         return f"P({p.reduce_op})"
     raise ValueError(f"unsupported placement {p!r}")
+
+
+def compact_placements(placements: Placements) -> str:
+    """"S0P" for (Shard(0), Partial()): DTensor's "S(0)P(sum)" without brackets, for the plan table."""
+    return "".join(_compact_one(p) for p in placements)
+
+
+def _compact_one(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S{p.dim}"
+    if isinstance(p, Partial) and p.reduce_op == "sum":
+        return "P"
+    return _format_one(p)  # R, P(max)
 
 
 _TOKEN = re.compile(r"^(?:S\((-?\d+)\)|R|P\((\w+)\))$")

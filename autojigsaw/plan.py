@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field
 from tabulate import tabulate
 
 from .mesh import MeshSpec
-from .modules import layer_of
+from .modules import layer_of, short_paths
 from .placements import Placements, format_placements, parse_placements
+from .plan_text import MODULE_WIDTH, kernel_cell, legend, narrow_table, placements_cell, short_op, wrapped
 
 SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
 
@@ -140,13 +141,18 @@ class Plan:
 
     # ------------------------------------------------------------ printing
 
-    def table(self, *, every_node: bool = False) -> str:
+    def table(self, *, every_node: bool = False, wide: bool = False) -> str:
         """The plan as a table a person reads: one row per kind of matmul / attention / softmax /
         norm / embedding / fallback node, repeated layers collapsed into one row (`every_node=True`:
-        one row per graph node), rows for everything else, so that each column sums to TOTAL."""
+        one row per graph node), rows for everything else, so that each column sums to TOTAL.
+        Its lines fit 120 characters: module, op, placements, kernel, comm/rank and time columns;
+        `wide=True`: every column (node, shapes, comm time, compute, memory, note), lines unwrapped."""
         shown = [n for n in self.nodes if every_node or n.kind in SHOWN_KINDS or n.fallback]
-        rows = [_row(group) for group in (_collapsed(shown) if not every_node else [[n] for n in shown])]
+        groups = _collapsed(shown) if not every_node else [[n] for n in shown]
         hidden = [n for n in self.nodes if n not in set(shown)]
+        if not wide:
+            return self._narrow_table(groups, hidden)
+        rows = [_row(group) for group in groups]
         if hidden:
             rows.append(_row(hidden, label=f"({len(hidden)} other nodes: views, elementwise, parameters)"))
         unattributed = self.comm_bytes - sum(n.comm_bytes for n in self.nodes)
@@ -159,8 +165,36 @@ class Plan:
         rows.append(("TOTAL", "", "", "", "", "", f"{len(self.fallbacks)} fallback(s)", format_bytes(self.comm_bytes),
                      format_seconds(comm_s), format_seconds(self.step_time - comm_s), "peak " + format_bytes(self.memory_per_rank),
                      f"step {format_seconds(self.step_time)}"))
+        legend = (f"placements: one per mesh axis ({', '.join(self.mesh.axis_names)}); S(d) = split along tensor dim d, "
+                  "R = whole copy, P(sum) = partial sums still to add; inputs: activation, weight, bias; "
+                  "kernel: local = the op on local shards, others = autojigsaw's distributed kernels; "
+                  "fallback = no sharding rule, run replicated")
+        return tabulate(rows, headers=headers, tablefmt="simple") + "\n" + self._summary() + "\n" + legend
+
+    def _narrow_table(self, groups: list[list[NodeSharding]], hidden: list[NodeSharding]) -> str:
+        """The default table (plan_text): lines of at most 120 characters, module paths cut in the middle."""
+        modules = [_group_module(group) or _group_name(group) for group in groups]
+        short = short_paths(modules, MODULE_WIDTH)
+        rows = [(short[m], short_op(g[0].op), placements_cell(g[0].inputs, g[0].output),
+                 kernel_cell(g[0].kernel, g[0].fallback), *_costs(g)) for m, g in zip(modules, groups)]
+        if hidden:
+            rows.append((f"({len(hidden)} other nodes)", "", "views, elementwise, parameters", "", *_costs(hidden)))
+        unattributed = self.comm_bytes - sum(n.comm_bytes for n in self.nodes)
+        hides = self.step_time - sum(n.comm_s + n.compute_s for n in self.nodes)  # FSDP's traffic under compute
+        hides = 0.0 if abs(hides) <= 1e-9 * self.step_time else hides
+        if unattributed or hides:
+            what = "gathers, reduce-scatters on data" if self.data_parallel == "fsdp" else ""
+            rows.append(("(FSDP)" if what else "(other)", "", what, "", format_bytes(unattributed),
+                         ("-" if hides < 0 else "") + format_seconds(abs(hides)) if hides else ""))
+        rows.append(("TOTAL", "", "", f"{len(self.fallbacks)} fallback(s)", format_bytes(self.comm_bytes),
+                     format_seconds(self.step_time)))
+        footer = self._summary() + "\n" + legend(self.mesh.axis_names, fsdp=self.data_parallel == "fsdp")
+        return narrow_table(rows) + "\n" + wrapped(footer)
+
+    def _summary(self) -> str:
+        """The lines under the table: mesh, regime, predicted step, traffic and peak; layout; precision."""
         budget = f" of {format_bytes(self.memory_budget)} budget" if self.memory_budget else ""
-        summary = (
+        return (
             f"mesh {self.mesh.describe()} on {self.device}, "
             f"{'training' if self.training else 'inference'}: "
             f"predicted step {format_seconds(self.step_time)}, comm {format_bytes(self.comm_bytes)}/rank, "
@@ -169,11 +203,6 @@ class Plan:
             + f"\nlayout: {self.layout()}\nprecision: {self.precision}; recompute: {self.recompute_summary()}"
             + (f"; data axis: {self.data_parallel}" if self.data_parallel else "")
         )
-        legend = (f"placements: one per mesh axis ({', '.join(self.mesh.axis_names)}); S(d) = split along tensor dim d, "
-                  "R = whole copy, P(sum) = partial sums still to add; inputs: activation, weight, bias; "
-                  "kernel: local = the op on local shards, others = autojigsaw's distributed kernels; "
-                  "fallback = no sharding rule, run replicated")
-        return tabulate(rows, headers=headers, tablefmt="simple") + "\n" + summary + "\n" + legend
 
     def layout(self) -> str:
         """The chosen layout per mesh axis, in words ("tensor: 12/14 weights split, activations split")."""
@@ -293,17 +322,29 @@ def _row(group: list[NodeSharding], label: str | None = None) -> tuple:
     if label is not None:
         return ("", label, "", "", "", "", "", format_bytes(comm), format_seconds(comm_s), format_seconds(compute),
                 format_bytes(memory), "")
-    n = group[0]
-    module, name = n.module, n.name
-    if len(group) > 1:
-        indices = [found[1] for g in group if (found := layer_of(g.module))]
-        if len(indices) == len(group):
-            module = _with_layer(n.module, f"{{{indices[0]}..{indices[-1]}}}")
-        name = f"{n.name} (x{len(group)})"
+    n, module, name = group[0], _group_module(group), _group_name(group)
     shapes = " ".join("x".join(map(str, s)) for s in n.input_shapes) + " -> " + "x".join(map(str, n.shape))
     return (module, name, n.op, shapes, " ".join(format_placements(p) for p in n.inputs),
             format_placements(n.output) if n.output else "", n.kernel + (" (fallback)" if n.fallback else ""),
             format_bytes(comm), format_seconds(comm_s), format_seconds(compute), format_bytes(memory), n.note)
+
+
+def _group_module(group: list[NodeSharding]) -> str:
+    """The module of a row's nodes, with the range of their layers ("model.layers.{0..3}.mlp")."""
+    indices = [found[1] for g in group if (found := layer_of(g.module))]
+    if len(group) > 1 and len(indices) == len(group):
+        return _with_layer(group[0].module, f"{{{indices[0]}..{indices[-1]}}}")
+    return group[0].module
+
+
+def _group_name(group: list[NodeSharding]) -> str:
+    """The first node's name, and how many nodes the row holds ("linear_4 (x4)")."""
+    return group[0].name + (f" (x{len(group)})" if len(group) > 1 else "")
+
+
+def _costs(group: list[NodeSharding]) -> tuple[str, str]:
+    """Bytes sent per rank and seconds (comm + compute) of a row's nodes."""
+    return format_bytes(sum(n.comm_bytes for n in group)), format_seconds(sum(n.comm_s + n.compute_s for n in group))
 
 
 def format_bytes(n: float | None) -> str:

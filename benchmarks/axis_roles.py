@@ -1,18 +1,17 @@
-"""Axis names as labels (today) against axis roles enforced: predicted bytes and step time per model and mesh.
+"""Axis names as labels (the planner's rule) against axis roles enforced: predicted bytes and step time.
 
 Run: python benchmarks/axis_roles.py [--models gpt2,llama] [--meshes 2x2,4x4,8x8]
 
-Labels: the planner may put anything on any axis (only "data"/"dp" is special). Roles: what
-the README once promised, enforced by filtering each node's strategies before the solve:
+Labels: the planner may put anything on any axis (only "data"/"dp" is special). Roles are enforced
+by filtering each node's strategies before the solve:
 - weights only on `tensor`: a parameter, and a parameter read by a node, is whole over `domain`;
 - samples only on `domain`: the model's inputs are whole over `tensor`;
 - activations keep their batch dim (dim 0) whole over `tensor` (Megatron's feature and head
   shards on `tensor` stay allowed; sequence, spatial and batch shards go on `domain`).
-A node that has no strategy left keeps them all (counted under "unfiltered"). The models:
-GPT-2, Llama, BERT, ViT (tests/hf_models.py, 2 layers, 64 wide), the weather mixer and the MLP
-stack, in fp32, larger batches than the tests; priced on "h100", planned in this process with
-no process group (the sizes of 4x4 and 8x8 need no ranks). The budget is half the 1-rank
-plan's memory, so that something must be sharded; the planner then minimises the step time.
+A node with no strategy left keeps them all (counted under "unfiltered"). The models: GPT-2,
+Llama, BERT, ViT (tests/hf_models.py, 2 layers, 64 wide), the weather mixer and the MLP stack, in
+fp32, priced on "h100", planned with no process group. The budget is half the 1-rank plan's
+memory, so that something must be sharded; the planner then minimises the step time.
 """
 
 from __future__ import annotations

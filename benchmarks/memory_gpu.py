@@ -3,7 +3,7 @@
 Run on a GPU machine: torchrun --nproc-per-node N benchmarks/memory_gpu.py (N = 1, 2, 4, 8).
 A small Llama (benchmarks/plan_speed.py's, 4 layers, 1024 wide) trains one Adam step to
 create the optimizer state; the next step's peak is measured from a reset of CUDA's counter
-and compared with the plan's predicted peak per rank. The issue's bar: within 15 %.
+and compared with the plan's predicted peak per rank. The bar: within 15 %.
 """
 
 from __future__ import annotations

@@ -2,21 +2,18 @@
 
 Run: python -m benchmarks.published [--only NAME ...] [--tiny]
 
-Each run of benchmarks/published_runs.py is rebuilt with transformers on the meta device
-(same model shape, global batch, sequence length, mesh, precision and recomputation) and
-planned with autojigsaw.plan on its device spec (a torch.compile'd run on the spec's
-compiled variant). The table puts predicted and published side by side:
+Each run of benchmarks/published_runs.py is rebuilt with transformers on the meta device (same
+model shape, global batch, sequence length, mesh, precision and recomputation) and planned with
+autojigsaw.plan on its device spec (a torch.compile'd run on the spec's compiled variant), on the
+whole mesh (a 128-GPU FSDP run on 128 ranks). Predicted and published side by side:
 
   tokens/s per GPU = global batch x seq / plan.step_time / GPUs
-  MFU = tokens/s per GPU x FLOPs per token / bf16 peak, FLOPs per token = 6 N + 12 L d s
-        (PaLM, arXiv 2204.02311, appendix B; torchtitan's get_num_flop_per_token): N the
-        parameters taking part in matmuls (the input embedding table left out unless tied to
-        the output), L layers, d model width, s sequence length. The "published" MFU is this
-        formula on the published tokens/s; the source's own figure is listed with the sources.
+  MFU = tokens/s per GPU x (6 N + 12 L d s) / bf16 peak (PaLM, arXiv 2204.02311, appendix B;
+        torchtitan's get_num_flop_per_token): N the parameters in matmuls (the input embedding
+        left out unless tied), L layers, d width, s sequence. The "published" MFU is this formula
+        on the published tokens/s; the source's own figure is listed with the sources.
 
-The planner plans the whole mesh (meta tensors cost nothing): a 128-GPU FSDP run is planned
-on 128 ranks, as FSDP's memory and collectives depend on them. --tiny shrinks every model to
-two layers of width 64 (what the smoke test runs).
+--tiny shrinks every model to two layers of width 64 (what the smoke test runs).
 """
 
 from __future__ import annotations

@@ -3,21 +3,16 @@
 Run: python benchmarks/relaxations.py [--only SUBSTRING] [--tiny]
 
 For each case (a plan at the edge of its memory budget, without recomputation) it prints the
-optimum's gap to three lower bounds and HiGHS' time on two formulations, one for each way issue 16
-proposes to strengthen the MILP:
-
-- LP: the planner's relaxation, every memory row that can bind included.
-- Lagrangian: memory priced at the LP's row duals, the rest kept integral (the bound a
-  Lagrangian pricing of memory, or any per-layer convex hull of plans, can reach).
-- binding rows, integral: the exact MILP with only the memory rows the LP binds (nonzero dual;
-  what a DP over the layer chain with that many memory resources would solve exactly), and how
-  far over the budget its plan is at the other points.
-- rows as differences: every memory row written as the previous point's plus what changes (the
-  rows aggregated: far fewer nonzeros, the same LP); the seconds HiGHS takes to prove the whole
-  program that way and as the planner writes it (no column windows: the formulation alone).
-
-Against the planner's own solve (the optimum and its seconds). Uses the planner's private
-builder: this measures the formulation, not an API.
+optimum's gap to three lower bounds and HiGHS' time on two formulations of the memory rows:
+- LP: the planner's relaxation, every memory row that can bind included;
+- Lagrangian: memory priced at the LP's row duals, the rest integral (the bound of any
+  per-layer convex hull of plans);
+- binding rows, integral: the exact MILP with only the rows the LP binds (what a DP over the
+  layer chain with that many memory resources would solve), and how far over the budget its
+  plan is elsewhere;
+- rows as differences: every memory row written as the previous point's plus what changes (far
+  fewer nonzeros, the same LP), and HiGHS' seconds on the whole program either way.
+Against the planner's own solve. Uses the planner's private builder: it measures the formulation.
 """
 
 from __future__ import annotations

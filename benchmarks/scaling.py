@@ -1,18 +1,14 @@
 """Simulated scaling: the largest model that fits per GPU count, planned on abstract meshes.
 
-For each GPU count n (a balanced domain x tensor mesh), search the widest model of a family
-for which `autojigsaw.plan` finds a plan within the device's memory budget (no process
-group, the model on the meta device), trained with Adam in one of two regimes:
-  mixed  bf16 compute with fp32 master weights and gradient sums (MixedPrecisionPolicy), and
-         recomputation chosen by the planner per layer (activation_checkpointing="auto");
-  paper  as the Jigsaw paper trained WeatherMixer: fp32 throughout, matmuls as TF32 (the
-         device's "+tf32" spec), no recomputation.
-Report the plan's predicted step time and the model FLOP utilisation (analytic training FLOPs
-/ (step time x n x the matmul peak: bf16, or TF32); recomputed FLOPs are not counted as
-useful). The search steps the width from a guess until a plan fails (or fits), then bisects.
-
-Each family has its own GPU counts and device unless --gpus and --device are given: the
-mixer on 1-8 A100-40GB (the paper's), Llama on 1-1,024 H100.
+For each GPU count n (a balanced domain x tensor mesh), search the widest model of a family for
+which `autojigsaw.plan` finds a plan within the device's memory budget (the model on the meta
+device), trained with Adam in one of two regimes:
+  mixed  bf16 compute, fp32 master weights and gradient sums (MixedPrecisionPolicy), recomputation
+         chosen by the planner per layer (activation_checkpointing="auto");
+  paper  as the Jigsaw paper trained WeatherMixer: fp32, TF32 matmuls ("+tf32" spec), no recomputation.
+It reports the predicted step time and the model FLOP utilisation (analytic training FLOPs / (step
+x n x the matmul peak); recomputed FLOPs do not count). The width steps from a guess until a plan
+fails (or fits), then bisects. Defaults: the mixer on 1-8 A100-40GB, Llama on 1-1,024 H100.
 
 Run: python -m benchmarks.scaling [--gpus 1 2 4 ... 1024] [--families mixer llama] [--device h100]
      python -m benchmarks.scaling --families mixer --regime paper --spatial-fraction 1 --gpus 4

@@ -3,13 +3,12 @@
 transformers' models ship a TP plan (`config.base_model_tp_plan`: q/k/v and gate/up colwise,
 o/down rowwise; `lm_head` colwise with its output gathered). `from_pretrained(..., tp_plan="auto")`
 applies it with `transformers.distributed.tensor_parallel.apply_tensor_parallelism` on the "tp"
-mesh; this script calls the same function, with the plan expanded to the model's layers as
-from_pretrained does, on a model built from a config. autojigsaw plans the unmodified model by
-itself (the built-in "cpu" spec, its default budget), and once more with the spec's gloo link as
-it was before benchmarks/gloo_links.py measured it (100 us per round). Both train in eager mode: forward with
-labels (the model's own cross-entropy), backward, Adam step. Before timing, the losses of two
-steps must match the single-device model's; repetitions are interleaved and the table shows
-medians. Collectives and bytes are measured on one step (CommDebugMode, benchmarks/measure.py).
+mesh; this script calls the same function, with the plan expanded to the model's layers, on a
+model built from a config. autojigsaw plans the unmodified model by itself (the built-in "cpu"
+spec, its default budget), and once more on a 100 us gloo link (5x less latency than
+benchmarks/gloo_links.py measures). All train eager: forward with labels, backward, Adam step.
+The losses of two steps must match the single-device model's first; repetitions are interleaved,
+the table shows medians. Collectives and bytes are measured on one step (benchmarks/measure.py).
 
 Run: python -m benchmarks.vs_transformers_tp [--reps 6] [--hidden 128] [--layers 2]
 """
@@ -35,7 +34,7 @@ from .measure import comm_of, timed_step
 
 TOLERANCE = 1e-4  # relative, fp32
 NAMES = ("single", "transformers-tp", "autojigsaw", "autojigsaw-100us")
-# The "cpu" spec's gloo link before it was measured (benchmarks/gloo_links.py): 100 us, 1 GB/s.
+# A gloo link of 100 us and 1 GB/s, 5x less latency than benchmarks/gloo_links.py measures: many small collectives.
 _OLD_LINKS = (LinkSpec("gloo loopback", 100e-6, 1.0e9), LinkSpec("gloo tcp", 200e-6, 0.5e9))
 
 

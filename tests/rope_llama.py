@@ -1,7 +1,7 @@
 """A Llama block written as torchtitan and Meta's reference write it: complex RoPE, fused wqkv.
 
-`view_as_complex -> mul by a complex64 buffer -> view_as_real` is the idiom that once lost
-half the q/k gradient on two ranks: complex values were taken for values without a gradient.
+`view_as_complex -> mul by a complex64 buffer -> view_as_real` loses half the q/k gradient on two
+ranks if complex values are taken for values without a gradient (tests/test_complex_rope.py).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def test_whole_state_dict_saves_for_one_device(ranks2, tmp_path):
     # model.save_pretrained(path) on the parallelized model fails inside torch ("invalid python storage")
     r = ranks2.run(_whole_for_one_device, str(tmp_path / "whole"), plan_json(NAME, {"tensor": 2}), (2,), ("tensor",))[0]
     _assert_equal(r["read back"], r["trained"])
-    # pmodel.generate said only "'ParallelModule' object has no attribute 'generate'": now what to do instead
+    # pmodel.generate says what to do instead, not only "'ParallelModule' object has no attribute 'generate'"
     assert re.fullmatch(r"GPT2LMHeadModel\.generate is a method of the model: a ParallelModule runs only its forward "
                         r".*get_model_state_dict\(pmodel, options=StateDictOptions\(full_state_dict=True\)\), then "
                         r"model\.load_state_dict\(full\) and call model\.generate\(\.\.\.\) there.*",

@@ -1,9 +1,9 @@
 """Complex RoPE (view_as_complex -> mul -> view_as_real), as torchtitan and Meta's Llama write it.
 
-The bug this guards: complex values were taken for values without a gradient, so the q/k
-gradient coming back through the rotation was masked to rank 0 and rank 1's share dropped
-(wqkv off by 2.6 %, the attention norm by 3.7 %, with outputs exact). Here every parameter's
-gradient and an Adam step are compared with one device, eager on 2 and 2x2 ranks and compiled.
+What it guards: complex values taken for values without a gradient would mask the q/k gradient
+coming back through the rotation to rank 0, dropping rank 1's share (wqkv off by 2.6 %, the
+attention norm by 3.7 %, with outputs exact). Every parameter's gradient and an Adam step are
+compared with one device, eager on 2 and 2x2 ranks and compiled.
 """
 
 import copy

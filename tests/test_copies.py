@@ -3,7 +3,7 @@ training makes them: copy.deepcopy and AveragedModel) train like one device.
 
 The copy has its own parameter shards and runs the original's programs; both train and average
 like the single-device model and its copy. Under FSDP, FSDP itself refuses a deepcopy; an average
-kept of the parameters (README) matches one device there.
+kept of the parameters (docs/support.md) matches one device there.
 """
 
 import copy

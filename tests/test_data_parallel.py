@@ -45,8 +45,8 @@ def test_a_batch_smaller_than_the_data_axis_is_refused():
         autojigsaw.plan(model, inputs, {"data": 4}, device="cpu")
 
 
-# Mixer fractions are of its replicated bytes as now counted (216.6 KiB; a phantom buffer between
-# placements of 1-rank axes made it 282 KiB, and these fractions 0.3): the same budgets as before.
+# Mixer fractions are of its replicated bytes (216.6 KiB; no buffer is counted between placements
+# of 1-rank axes).
 # GPT-2 under FSDP: below 0.53 of its replicated bytes nothing fits, above it FSDP's sharding alone
 # does, so its tensor axis shards activations, not weights.
 @pytest.mark.parametrize("name,mesh,fsdp,fraction", [("mixer", (2, 1, 2), False, 0.65), ("mixer", (2, 2, 1), True, 0.39),

@@ -36,7 +36,7 @@ def test_planner_shards_what_dominates(case):
         model = WeatherMixer(depth=1, **sizes)
     x = torch.empty(batch, sizes["channels"], sizes["lat"], sizes["lon"], device="meta")
     plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2}, device="h100")
-    table = plan.table()
+    table = plan.table(wide=True)
     for name in ("linear_2", "linear_3"):  # channel_fc1, channel_fc2
         got = _axis_notes(plan.node(name).note)
         got = (got.get("domain"), got.get("tensor"))

@@ -117,7 +117,7 @@ def test_example_inputs_as_a_mapping():
 
 
 def test_example_inputs_the_forward_cannot_take(capfd):
-    # torch logged the failed op's traceback at ERROR before export raised; it goes to logging.DEBUG now
+    # the failed op's traceback, which torch logs at ERROR before export raises, goes to logging.DEBUG
     with pytest.raises(ValueError, match=r"could not capture MLP: RuntimeError(.|\n)*MLP's forward raised this on "
                                          r"the example inputs: check that they match its arguments, shapes and dtypes"):
         autojigsaw.plan(MLP(), (X[..., :15],), {"tensor": 2}, device="cpu")

@@ -33,7 +33,7 @@ def test_demo_matches_one_device():
     out = run_example("demo.py")
     diffs = {k: float(v) for k, v in re.findall(r"^  (output|gradient|parameter) +(\S+)$", out, re.M)}
     assert set(diffs) == {"output", "gradient", "parameter"} and max(diffs.values()) < 1e-4, out
-    assert "OK: matches the single-device model" in out and "aten.linear" in out, out  # the plan printed
+    assert "OK: matches the single-device model" in out and re.search(r"^\S+ +linear +", out, re.M), out  # the plan
 
 
 def test_weather_mixer_trains_from_row_shards_like_one_device():

@@ -1,11 +1,10 @@
 """Frozen weights and no_grad regions are priced as they run: no gradient, no optimizer state, no backward.
 
-A distillation teacher (under torch.no_grad, detached, or with its weights frozen) was priced as a
-second student: its weights' gradients and Adam states, its activations kept for a backward that
-never runs, and that backward's time (a 256-1024-256 MLP pair on 512 x 256: 24.5 MiB predicted
-where MemTracker measures 15.5 MiB; now 16.0). LoRA's frozen base weights were priced with their
-gradients too, and every matmul with both products of its backward, where a frozen weight's
-computes only its input's.
+A distillation teacher (under torch.no_grad, detached, or with its weights frozen) must not be
+priced as a second student (its weights' gradients and Adam states, activations kept for a
+backward that never runs, that backward's time): on a 256-1024-256 MLP pair on 512 x 256 that
+would predict 24.5 MiB where MemTracker measures 15.5 MiB (the plan: 16.0). LoRA's frozen base
+weights have no gradients, and a matmul with a frozen weight computes only its input's gradient.
 """
 
 import contextlib

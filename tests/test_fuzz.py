@@ -67,8 +67,8 @@ RICH = ModelSpec(stem="tokens", batch=2, seq=7, dim=13, in_dim=17, final_norm="r
                          MLP(hidden=30, act="silu", gated=True, norm="rms", bias=False)))
 
 
-# Planned first, it numbered placements in an order under which RICH's plan came out another
-# (equally fast) way while placement ids were numbered per process, not per graph.
+# Planned first, it would number placements in an order under which RICH's plan comes out another
+# (equally fast) way if placement ids were numbered per process, not per graph.
 BEFORE = ModelSpec(stem="patches", batch=2, seq=3, dim=15, in_dim=11, final_norm="rms", head="none", out_dim=1,
                    seed=1341, two_outputs=True, blocks=(MLP(hidden=12, act="silu", gated=False, norm="rms", bias=False),))
 

@@ -77,5 +77,5 @@ def test_no_batch_norm_strategy_leaves_a_rank_an_empty_input():
 
 
 def test_batch_norm_of_six_channels_on_four_ranks(ranks4):
-    # 0.6 until the memory model held a residual's gradient from its first contribution: no layout fits it now
+    # 0.65: with a residual's gradient held from its first contribution, no layout fits under 0.6
     _matches(ranks4, BATCHNORM_6, {"tensor": 4}, 0.65)

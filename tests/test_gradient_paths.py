@@ -1,9 +1,9 @@
 """Gradients go where they go on one device: to inputs, not through no_grad blocks, not twice.
 
 nn.Sequential's forward names its input `input`, a Python builtin, which FX renames in a new graph
-("input_1"): the rewrite lost the input, and the input's gradient was each rank's partial sum
-(14 % off, different on each rank) with no error. A `with torch.no_grad():` block in the forward
-(an EMA teacher) was inlined by export's decompositions without its mode, and its weights got
+("input_1"): a rewrite that lost track of it would give the input's gradient as each rank's partial
+sum (14 % off, different on each rank) with no error. A `with torch.no_grad():` block in the
+forward (an EMA teacher) must keep its mode through export's decompositions: its weights get no
 gradients. Autojigsaw's kernels are differentiable once: with create_graph=True the second
 derivatives would miss their collectives, so it is an error.
 """

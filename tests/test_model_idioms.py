@@ -2,22 +2,19 @@
 
 - A custom autograd.Function whose backward is its forward's derivative written out (Bloom's GELU)
   trains; one whose backward is another (a straight-through round, a gradient reversal) is refused.
-- Many outputs beside a loss (CLIP returns ten): each may come back as planned, which made the output's
-  strategies a product past memory.
-- The same ops traced in another order on each rank (ModernBERT loops over a set of strings, whose order
-  is each process' hash seed's): every rank takes rank 0's order and names.
-- A learned position bias under the padding mask as `where(mask, bias, min)` (T5): a where with a scalar
-  branch had no rule and ran whole on every rank; its heads now shard with the attention's.
+- Many outputs beside a loss (CLIP returns ten): each may come back as planned without the output's
+  strategies growing into a product past memory.
+- The same ops traced in another order on each rank (ModernBERT loops over a set of strings, whose
+  order is each process' hash seed's): every rank takes rank 0's order and names.
+- A learned position bias under the padding mask as `where(mask, bias, min)` (T5): its heads shard
+  with the attention's (a where with a scalar branch).
 - An auxiliary head computed but unused without labels (DPT, UperNet): export keeps only its
-  BatchNorm's running-statistics update, so its later layers hold parameters and no compute, and
-  their runs interleave with the earlier layers' (the planner's layer tying raised a bare ValueError).
-- An encoder-decoder whose decoder stack reads its own copy of the config (T5): turning the model's
-  use_cache off for the trace left the decoder's on, and export failed on the cache it returned.
-- Patches cut by Tensor.unfold (PatchTST's, along time): unfold had no rule and ran whole.
-- Random draws through torch.distributions (GroupViT's Gumbel noise): each distribution checks its
-  arguments in Python (scale > 0) unless told not to, and the capture failed on the check.
-- Keys written into a new buffer slice by slice (`k.new_empty(...)[..., :n].copy_(x)`, DeepSeek-V3's
-  attention): export makes each write an aten.copy, which eager autograd cannot differentiate.
+  BatchNorm's running-statistics update, so its later layers hold parameters and no compute.
+- An encoder-decoder whose decoder stack reads its own copy of the config (T5): use_cache is off for
+  the trace in every config the modules hold.
+- Patches cut by Tensor.unfold (PatchTST's); random draws through torch.distributions (GroupViT's
+  Gumbel noise, whose argument checks no graph can hold); keys written into a new buffer slice by
+  slice (DeepSeek-V3's attention: aten.copy, which eager autograd cannot differentiate).
 """
 
 import contextlib
@@ -152,7 +149,7 @@ def _bloom_trains(plan_json: str) -> dict:
 
 
 def test_bloom_with_its_fused_gelu_function_trains_like_one_device(ranks2):
-    # Bloom applies its GeLUFunction in training; it was refused, so unmodified Bloom could not train
+    # Bloom applies its GeLUFunction in training: unmodified Bloom trains (its backward is the forward's derivative)
     model, (ids,) = _bloom()
     plan = _plan_under(0.6, model, (ids,), {"labels": ids})
     for r in ranks2.run(_bloom_trains, plan.to_json()):
@@ -513,13 +510,13 @@ def _t5_trains(plan_json: str) -> dict:
 
 
 def test_t5_with_its_default_kv_cache_setting_trains_like_one_device(ranks2):
-    # T5's decoder stack reads its own copy of the config: turning the model's use_cache off left the
-    # decoder's on, and export failed on the EncoderDecoderCache it returned
+    # T5's decoder stack reads its own copy of the config: turning off only the model's use_cache would
+    # leave the decoder's on, and export would fail on the EncoderDecoderCache it returns
     model, ids = _t5()
     with _t5_norm_in_fp64():
-        # 0.8: at 0.6 the plan takes 16 s to prove optimal, at 0.7 28 s (docs/benchmarks.md, "Solve speed")
+        # 0.8: at 0.6 the plan takes 16 s to prove optimal, at 0.7 28 s
         plan = _plan_under(0.8, model, (ids,), {"labels": ids})
-    assert model.config.use_cache and model.decoder.config.use_cache  # as it was
+    assert model.config.use_cache and model.decoder.config.use_cache  # left as the user set it
     _assert_sharded_and_equal(ranks2.run(_t5_trains, plan.to_json()), plan)
 
 
@@ -539,7 +536,7 @@ def test_groupvit_gumbel_grouping_trains_like_one_device(ranks2):
 
 def test_patchtst_patches_cut_by_unfold_train_like_one_device(ranks2):
     # Hugging Face's PatchTST (time series) cuts each channel's series into patches with Tensor.unfold
-    # along time, which had no rule and ran whole on every rank; it now keeps a shard of another dim
+    # along time, which keeps a shard of another dim instead of running whole on every rank
     # (its series are too small for the planner to shard them: pinned to the channel dim)
     plan = pinned_plan(*build("patchtst"), {"tensor": 2}, {"unfold": lambda s: format_placements(s.inputs[0]) == "S(2)"})
     assert not plan.fallbacks and format_placements(plan.node("unfold").outputs[0]) == "S(2)", plan.table()
@@ -653,7 +650,7 @@ def test_swin_shifted_windows_train_like_one_device(ranks4):
     # Hugging Face's Swin: window attention, torch.roll shifting the token grid between its blocks, a
     # relative position bias gathered by index, patch merging; activations split over both axes
     # (the rolls run whole at this budget: at 0.4 they shard batch and channels, but that plan
-    # takes 156 s to prove optimal, issue 16 item 7)
+    # takes 156 s to prove optimal)
     plan = plan_json("swin", {"domain": 2, "tensor": 2})
     for r in ranks4.run(train, "swin", (2, 2), ("domain", "tensor"), plan, steps=2):
         assert r["sharded"] > 0, r["table"]

@@ -271,7 +271,7 @@ def test_same_inputs_same_plan():
 def test_table_summary_and_explanation_of_every_candidate():
     torch.manual_seed(0)
     plan = autojigsaw.plan(MLP(), (torch.randn(2, 5, 16),), {"tensor": 2}, device="cpu", memory_budget=30_000)
-    table = plan.table()
+    table = plan.table(wide=True)
     total = next(line for line in table.splitlines() if line.startswith("TOTAL"))
     assert "peak" in total and "step" in total and "of 29.3 KiB budget" in table
     text = plan.explain("linear")

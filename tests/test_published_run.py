@@ -2,7 +2,7 @@
 
 pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP on 8 GPUs, local
 batch 2 x 8192 tokens, bf16 mixed precision, selective activation checkpointing: 6,667 tokens/s
-per GPU at 77.0 GiB. Planned as the issue that asked for it wrote the call, on the meta device.
+per GPU at 77.0 GiB. Planned on the meta device with `device="h100"`, as a user would call it.
 benchmarks/published.py compares fifteen more runs (torchtitan on 128 GPUs and tensor parallel on 64 and 256,
 MosaicML's MPT with FSDP on 8 and 128 H100s, Megatron-LM tensor parallel on 8-256 A100s).
 """

@@ -1,10 +1,10 @@
 """Random numbers drawn in the forward (a diffusion model's noise, a VAE's sample) are the
 single-device model's, shard by shard.
 
-Every rank's generator is seeded alike, so drawing on each shard gave every shard the same
-numbers: the noise of a data-sharded batch was the first half's twice (loss 1.0701 against
-1.1200 on one device, no error). Elementwise draws now take the whole draw's slice; draws whose
-count depends on the values (gamma, Poisson) run whole.
+Every rank's generator is seeded alike, so drawing on each shard would give every shard the same
+numbers (the noise of a data-sharded batch the first half's twice: loss 1.0701 against 1.1200 on
+one device, no error). Elementwise draws take the whole draw's slice; draws whose count depends on
+the values (gamma, Poisson) run whole.
 """
 
 import copy

@@ -10,8 +10,8 @@ from benchmarks.solve_speed import small
 
 @pytest.mark.parametrize("name", ["mistral", "llama"])
 def test_language_model_on_2x2_under_70_percent_of_its_memory_is_proven_optimal(name):
-    # at 0.7 the proof used to branch on the whole program without the memory rows its plans broke, and
-    # stopped at the time limit 4-12 % above the LP bound
+    # at 0.7 a proof over the whole program without the memory rows its plans break stops at the time
+    # limit 4-12 % above the LP bound
     model, inputs, _ = small(name)
     budget = int(0.7 * autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank)
     model, inputs, _ = small(name)

@@ -79,7 +79,7 @@ def test_parallel_crashed_and_resumed_losses_equal_one_rank(tmp_path):
     crash[crash.index(SCRIPT)] = str(tmp_path / "crash.py")
     rc, first, err = finish(start(crash))
     assert rc != 0 and "saved " + str(ckpt / "step-000002") in first and "step-000004" not in first, first + err
-    assert re.search(r"^\S+ +\S+.* aten\.linear .* S\(\d\)", first, re.M), "the plan shards no linear"
+    assert re.search(r"^\S+ +linear +.*S\d", first, re.M), "the plan shards no linear"
     assert "tokens/s" in first and "peak RSS MiB per rank" in first
     # The crash left a partial step-000004.tmp; `latest` still names the complete step 2.
     assert (ckpt / "latest").read_text().strip() == "step-000002"

@@ -54,7 +54,7 @@ def test_mixed_precision_within_rounding_of_single_device(ranks2, dtype, unit):
     one unit of roundoff per matmul, relative to the largest value, over the mixer's 9 matmuls.
     """
     mesh = {"tensor": 2}
-    plan = plan_json("mixer", mesh, 0.715, dtype=dtype)  # the bytes 0.55 was of a 30 % larger count
+    plan = plan_json("mixer", mesh, 0.715, dtype=dtype)
     for r in ranks2.run(train, "mixer", (2,), tuple(mesh), plan, steps=1, dtype=dtype):
         assert r["sharded"] > 0, r["table"]
         assert r["output"] <= 9 * unit * r["scale"], r

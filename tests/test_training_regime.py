@@ -258,13 +258,12 @@ def _recompute_run(plan_json: str, attention: str = "sdpa") -> dict:
 def test_recomputed_layers_give_the_same_gradients_and_free_the_predicted_memory(ranks2, attention):
     # On the "cpu" spec the plan keeps the layers whole, so the peak under "selective" falls in a
     # recomputed layer's backward: the model must know what torch's selective checkpoint keeps
-    # there (the cached matmul outputs, the float copy of the boolean attention mask). Measured
-    # drops were 5 % (selective) and 1 % (full) off the predicted; on 100 us links, which shard
-    # the layers, 1 % and 4 %. "selective-op" (torchtitan's policy: k, o and up projections
-    # recomputed too) frees more than "selective" and less than "full". Eager attention (matmul,
-    # softmax, matmul) makes its matmuls' contiguous copies of transposed operands and saves them:
-    # under "selective" they are recomputed, not kept with the matmul's output, and nothing saved is
-    # held during a checkpointed layer's forward (the model had selective add memory here).
+    # there (the cached matmul outputs, the float copy of the boolean attention mask; docs/benchmarks.md
+    # checks the same on eight models). "selective-op" (torchtitan's policy: k, o and up
+    # projections recomputed too) frees more than "selective" and less than "full". Eager attention
+    # (matmul, softmax, matmul) makes its matmuls' contiguous copies of transposed operands and saves
+    # them: under "selective" they are recomputed, not kept with the matmul's output, and nothing
+    # saved is held during a checkpointed layer's forward.
     base = _plan("none", attention=attention)
     measured, predicted = {}, {}
     for policy in ("none", "selective", "selective-op", "full"):

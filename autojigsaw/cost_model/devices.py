@@ -308,10 +308,10 @@ DEVICES: dict[str, DeviceSpec] = {
     # The CI machine (2 shared cores, 1 thread per rank, gloo on 127.0.0.1), rounded: what the tests
     # plan with. Quiet, calibrate measures 0.1 TFLOP/s fp32 per rank (0.05 with 4 ranks on the 2
     # cores) and 33 GB/s. Links: benchmarks/gloo_links.py (all-gathers and all-reduces of 1 KiB ..
-    # 16 MiB, the ring model fitted; 2026-12-01, the machine shared, load average 29-39) measured
-    # 0.31 ms per round at 0.64 GB/s on 2 ranks and 1.27 ms at 0.39 GB/s on 4 (a 1 KiB all-gather:
-    # 0.42 ms on 2 ranks, 3.0 ms on 4); calibrate found about 1 ms at 0.8 GB/s before. Rounded to
-    # 0.5 ms and 0.5 GB/s: 5x the latency assumed before, which made plans of many small collectives.
+    # 16 MiB, the ring model fitted; the machine shared, load average 29-39) measured 0.31 ms per
+    # round at 0.64 GB/s on 2 ranks and 1.27 ms at 0.39 GB/s on 4 (a 1 KiB all-gather: 0.42 ms on
+    # 2 ranks, 3.0 ms on 4); calibrate finds about 1 ms at 0.8 GB/s. Rounded to 0.5 ms and 0.5 GB/s:
+    # a lower latency makes plans of many small collectives, slower here.
     # Between nodes (tcp): assumed twice the latency, half the bandwidth. calibrate(mesh) prices the
     # machine as it is at the moment; with this latency and a tight budget, the MILP loses its
     # integral LP relaxation (planner/milp.py).

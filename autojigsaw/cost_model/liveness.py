@@ -1,20 +1,17 @@
 """Peak memory per rank over one step's schedule: what is live at every program point.
 
-The schedule runs the forward nodes in graph order, then (training) their backward in
-reverse, then the optimizer step: point i is node i's forward, 2N-1-i its backward, 2N the
-step. Every tensor is an item live over an interval of points, whose bytes depend on the
-strategy of one node (linear items), the largest of several (max items: one storage saved
-by several readers), or a producer/consumer pair (pair items: a buffer that exists only
-when a redistribution moves the value). The peak is the max over points, not a sum.
+The schedule runs the forward nodes in graph order, then (training) their backward in reverse,
+then the optimizer step: point i is node i's forward, 2N-1-i its backward, 2N the step. Every
+tensor is an item live over an interval of points, whose bytes depend on the strategy of one node
+(linear items), the largest of several (max items: one storage saved by several readers), or a
+producer/consumer pair (pair items: a buffer that exists only when a redistribution moves the
+value). The peak is the max over points, not a sum.
 
-Items: parameters and optimizer state (whole step); gradients of parameters (from their
-first backward use to the step); activations from their producer to their last reader (views
-extend the storage they alias), then, when a reader saves them for backward, until that
-reader's backward (the largest of the readers' copies); extra saved tensors (statistics,
-masks); gradients of activations during backward; collective buffers: a moved copy of an
-input and the collective's working copies (kernels/collectives.py gathers from a contiguous
-copy of its input into a buffer it then copies into place; an all-reduce of a partial value
-needs none), forward and, for the gradient, backward.
+Items: parameters and optimizer state (whole step); parameter gradients (first backward use to
+the step); activations from their producer to their last reader (views extend what they alias),
+then until the backward of a reader that saves them; extra saved tensors (statistics, masks);
+activation gradients, from their first contribution; collective buffers (a moved copy of an input
+and the collective's working copies, kernels/collectives.py), forward and backward.
 """
 
 from __future__ import annotations

@@ -2,19 +2,16 @@
 output is all-gathered from those row ranges.
 
 X [S, K] holds the routed rows sorted by expert and offs [E] the cumulative row counts (every rank
-has both), so the rows of a contiguous block of experts form one contiguous row range and rank q's
-range, [offs[first_q - 1], offs[last_q]), is known on every rank: the gather is a variable-size
-all-gather (all_to_all_single with the ranges as splits, one host read of offs, as transformers'
-own grouped_mm_fallback does). Each rank sends its range to the others: (n - 1) x its rows, about
-(n - 1) / n of the output, where summing zero-padded outputs would all-reduce all of it twice over.
+has both), so a contiguous block of experts owns one contiguous row range, known on every rank:
+the gather is a variable-size all-gather (all_to_all_single with the ranges as splits, one host
+read of offs, as transformers' grouped_mm_fallback does). Each rank sends (n - 1) x its rows,
+where summing zero-padded outputs would all-reduce the whole output.
 
-Gradients, following collectives.py's convention for the Replicate output and X: with the full
-output gradient on every rank ("R"), a rank's expert weights need only its own range of it (no
-communication), and X's gradient is made full by all-gathering each rank's range of it (the
-rows a rank owns are the only ones its experts reach); with a contribution ("P"), the ranges of
-the output gradient are first summed over the ranks (each rank receives its range from the others)
-and X's gradient is left a contribution, zero outside the rank's range. Forward and backward are
-custom ops of static output shapes (the ranges are read inside), so torch.compile traces one call.
+Gradients follow collectives.py's convention for the Replicate output and X: with the full output
+gradient on every rank ("R"), a rank's expert weights need only its own range of it and X's
+gradient is all-gathered by ranges; with a contribution ("P"), the output gradient's ranges are
+first summed over the ranks and X's gradient stays a contribution, zero outside the rank's range.
+Forward and backward are custom ops of static output shapes, so torch.compile traces one call.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """HiGHS through its own Python binding (highspy): the LP with its row duals, and the MILP from a known plan.
 
-scipy's `milp` (HiGHS 1.12 inside scipy 1.17) returns no duals, so the LP was solved twice,
-and takes no starting solution; the planner's branchings start from a plan that fits, which
-HiGHS prunes with from the first node.
+One LP gives the planner's bound and the duals its column windows are pruned with; every branching
+starts from a plan that fits, which HiGHS prunes with from the first node (scipy's `milp` returns no
+duals and takes no starting solution).
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: floa
 
 # A proof from a plan in hand: HiGHS' primal heuristics (RINS, RENS, feasibility jump, root reduced cost
 # run even at heuristic effort 0) look for plans its branching finds anyway. On the mixer's edge plans
-# they took a third of each proof (31.6 -> 20.5 s, 107 -> 66 s, 8.9 -> 3.3 s without them). From a plan
-# a quick round accepted at once (T5 at 0.6 with its norm in fp64: 1.4 % above the optimum), RINS finds
-# the optimum at node 635 where the branching alone found it at node 5,127 (13 s against 53 s), so such
-# a start is polished (docs/benchmarks.md, stop 39; where it is already the optimum, that costs ~12 %).
+# they take a third of each proof (20.5 s without them against 31.6 s, 66 against 107 s, 3.3 against 8.9 s).
+# From a plan a quick round accepted at once (T5 at 0.6 with its norm in fp64: 1.4 % above the optimum),
+# RINS finds the optimum at node 635 where the branching alone finds it at node 5,127 (13 s against 53 s),
+# so such a start is polished (where it is already the optimum, that costs ~12 %).
 _PROVING = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
             "mip_heuristic_run_feasibility_jump": False, "mip_heuristic_run_root_reduced_cost": False}
 

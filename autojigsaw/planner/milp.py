@@ -1,45 +1,18 @@
 """Exact solve: a mixed-integer program (HiGHS, through planner/highs.py).
 
-x[g, s] = 1 picks strategy s for every node of group g (nodes of repeated layers share a
-group). The objective is predicted step time: node times plus, per pair of groups joined by
-edges, the resharding cost of the pair of choices. A pair's cost matrix gets continuous
-variables y[p, q] over its distinct rows p and columns q, tied to x by marginal constraints
-(sum_q y[p, q] = x mass of row class p, sum_p y[p, q] = mass of column class q); with
-binary x they are exact, and their LP relaxation is tight on tree-like graphs.
+x[g, s] = 1 picks strategy s for every node of group g (nodes of repeated layers share a group).
+The objective is predicted step time: node times plus, per pair of groups joined by edges, the
+resharding cost of the pair's choices, through continuous y[p, q] tied to x by marginal rows
+(exact with binary x, tight in the LP on tree-like graphs).
 
-Memory: the peak over the schedule must fit the budget. A constraint per program point
-would be thousands of dense rows, so they are added lazily: solve, evaluate the whole
-memory profile of the solution exactly, add the rows of its worst points over the budget
-(only points no other point's live items include can be a peak), solve again. These rounds
-take the first plan a narrow branching finds; only a plan that fits is then proven optimal,
-as a proof costs far more than a round and a memory profile is flat across much of the
-backward (every new row found by a proof costs another proof). Every row is exact at its point -- a saved storage read by several
-nodes is a variable z >= each reader's bytes, a collective buffer that exists only when
-producer and consumer placements differ uses w[P] <= both sides' mass on placement P --
-so a violated point never comes back, and the loop ends at the constrained optimum. A program
-with at most ROWS_UP_FRONT points that can be a peak (the weather mixer: 111) gets every one's
-row before the first solve instead: every plan then fits, and no branching proves the optimum of
-a window only to find that it breaks the budget (the 8-GPU mixer's took 150 s). More rows make
-every LP denser: a 2-layer Mistral on 2x2 (214 points) solves faster with the rounds.
-
-A tight budget makes the LP relaxation fractional (it mixes a fast plan with a small one), and
-branching on the whole program -- tens of thousands of edge variables -- took minutes. The
-LP's reduced costs prune it first: a 0/1 column whose reduced cost exceeds the gap between a
-plan and the LP bound cannot be in an optimal plan, so the branching sees a few thousand
-columns, in widening windows until the best plan found is within the window (_Model.solve).
-A window's plan that does not fit the budget ends the solve at once: its memory rows are
-added and the LP bound rises (Llama at 0.7: 7,556 -> 8,321 us), where a proof over the whole
-program, missing those rows, ran out of 300 s. Where the whole program must be branched on
-anyway, an integer per group counting its strategies' memory level gives HiGHS a branch that
-splits the memory-saving strategies from the others: branching on single strategies meets a
-twin that saves the same bytes (the same sharding on the other mesh axis) and moves nothing.
-Every branching starts from the fastest plan found so far that fits (a quick round's or a
-narrower window's) and keeps its columns in the window: HiGHS prunes with it from the first node.
-A quick round ends at the first improving plan that fits and lies within reach of the bound (its
-proof then branches once): proving the window's own optimum first only did the proof's work twice.
-The proof from such a plan runs HiGHS' primal heuristics to polish it; from a window's optimum, not.
-A solve may be asked only for a plan faster than `beat` (another recomputation variant's): HiGHS
-prunes at it, an LP bound above it ends the solve at once, and no window need reach past it.
+Memory: the peak over the schedule must fit the budget. Each row is exact at its program point
+(a storage saved by several readers is z >= each reader's bytes; a buffer that exists only when
+two placements differ is w[P] <= both sides' mass on P). A program with at most ROWS_UP_FRONT
+points that can be a peak gets every row before the first solve; otherwise rows are added lazily:
+solve a quick plan, evaluate its whole memory profile, add the rows of its worst points over the
+budget, repeat, and prove only a plan that fits. Branching sees only the columns whose LP reduced
+cost is within a window of the bound (widened until the best plan lies inside it), starts from the
+fastest plan found so far that fits, and may be asked only for a plan faster than `beat`.
 """
 
 from __future__ import annotations
@@ -60,6 +33,8 @@ _SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
 _FIRST_WINDOW = 3e-3  # reduced costs kept in the first branching, relative to the LP bound
 CUTS_PER_ROUND = 8  # memory rows added per plan that does not fit
 ROWS_UP_FRONT = 128  # at most this many points that can be a peak: each gets its row before the first solve
+# (then every plan HiGHS returns fits; more rows make every LP denser, and a 2-layer Mistral on 2x2, 214
+# points, solves faster with lazy rows)
 
 
 @dataclass(frozen=True)
@@ -272,6 +247,8 @@ class _Builder:
 
     def _memory_levels(self) -> None:
         """Per group whose strategies differ in memory, an integer = its strategy's rank by bytes held."""
+        # A branch on it splits the memory-saving strategies from the others, where a branch on one
+        # strategy meets a twin that saves the same bytes (the same sharding on the other mesh axis).
         mem, group = self.p.memory, self.p.group
         held = np.zeros(int(self.offsets[-1]))
         for node, vec, _, _, scale in mem.lin:

@@ -1,23 +1,19 @@
 """Bucket: collectives that go the same way at the same point become one call on a flat buffer.
 
-A collective costs a fixed latency whatever its size (on gloo ~0.3-1 ms, cost_model/devices.py),
-so a plan that all-reduces every parameter's gradient, or gathers each weight of a layer apart,
-pays it per tensor. As DDP buckets gradients and FSDP gathers a layer's weights at once, this
-pass (run after fuse) merges collectives into the kernels of kernels/bucketed.py:
+A collective costs a fixed latency whatever its size (on gloo ~0.3-1 ms, cost_model/devices.py).
+As DDP buckets gradients and FSDP gathers a layer's weights at once, this pass (run after fuse)
+merges collectives into the kernels of kernels/bucketed.py:
 
   grad_all_reduce of parameters, same axis and dtype        -> bucket_grad_all_reduce
-      (identity forward; one all-reduce once every member's gradient is in, as DDP does;
-      under FSDP within one unit, whose weights exist only while it runs)
+      (one all-reduce once every member's gradient is in; under FSDP within one unit)
   all_gather, same axis, gradient kind and dtype, one layer  -> bucket_all_gather
-      (e.g. a layer's q/k/v and gate/up weights; gradients: one reduce-scatter)
+      (a layer's q/k/v and gate/up weights; gradients: one reduce-scatter)
 
-The bucket runs just before the first reader of any member, so a member joins it only if its
-input is computed before that point (nothing waits on a value made later); an input that is itself
-a bucketed collective's value is computed where that bucket runs, not where it stood. Buckets are
-merged in the order they run. Gathers stay within
-their repeated layer (or module outside layers): gathered values live no longer than the layer. A bucket
-holds at most BUCKET_BYTES (DDP's default bucket cap). Each member's value keeps its placements
-(on a getitem); traffic prices the bucket as one call, counted at its first member's node.
+A bucket runs just before the first reader of any member, so a member joins only if its input
+exists by then (an input that is another bucket's value exists where that bucket runs); buckets
+merge in the order they run. Gathers stay within their repeated layer (or module outside layers),
+and a bucket holds at most BUCKET_BYTES (DDP's default cap). Each member keeps its placements (on
+a getitem); traffic prices the bucket as one call, counted at its first member's node.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Under FSDP the program runs layer by layer through the units' hooks (runtime/fsdp.py), so its pieces are
 compiled apart (as torchtitan compiles each block); the pieces of the repeated layers compute alike -- the
 same ops on their own inputs -- and one compiled module runs them all. Without FSDP the program is compiled
-whole: measured on CI's CPUs, compiling it layer by layer saved first-step time only for deep models (16
-layers 73 -> 51 s, 4 layers 57 -> 68 s; docs/benchmarks.md).
+whole: measured on CI's CPUs, compiling it layer by layer saves first-step time only for deep models (16
+layers: 51 s against 73 s; 4 layers: 68 s against 57 s; docs/benchmarks.md).
 """
 
 from __future__ import annotations

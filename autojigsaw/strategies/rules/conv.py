@@ -5,18 +5,13 @@ Per mesh axis, for Y = conv(X, W, b) with X [B, Cin, *spatial] (1-, 2- or 3-D), 
   out      X Replicate, W Shard(0), b Shard(0)          -> Y Shard(1)   (groups == 1)
   in       X Shard(1), W Shard(1), b Partial            -> Y Partial    (groups == 1)
   spatial  X Shard(d), W and b Replicate                -> Y Shard(d)
-A transposed convolution's W is [Cin, Cout / groups, *k]: its "out" shards W's dim 1 and its
-"in" W's dim 0. Spatial sharding of patches (stride == kernel, no padding, output padding or
-dilation) needs no halo where every rank's shard boundaries fall on patch boundaries, as they
-do when the patches divide evenly over the axes that shard them. Any other convolution (a 3x3
-stencil, dilated, strided, unpadded) shards a spatial dim over one mesh axis through kernel
-"halo_conv": each rank first fetches the input rows its chunk of output rows reads, its
-neighbours' edge rows (kernels/halo.py, rules/halo.py).
-
-A convolution over whole patches (batched, ungrouped) is offered twice, with each layout: as
-itself (cuDNN's kernel) and as kernel "patch_gemm", one GEMM on the cut-out patches
-(kernels/patch_gemm.py). The planner takes the cheaper: on GPUs in TF32 and bf16 that is the
-GEMM, as cuDNN runs patch convolutions on CUDA cores (cost_model.compute); in fp32, the convolution.
+A transposed convolution's W is [Cin, Cout / groups, *k]: its "out" shards W's dim 1, its "in" dim 0.
+Patches (stride == kernel, no padding, output padding or dilation) shard a spatial dim with no halo
+where every shard boundary falls on a patch boundary. Any other convolution shards a spatial dim
+over one mesh axis through kernel "halo_conv": each rank first fetches the input rows its output
+rows read (kernels/halo.py, rules/halo.py). A convolution over whole patches (batched, ungrouped)
+is also offered as kernel "patch_gemm", one GEMM on the cut-out patches (kernels/patch_gemm.py):
+the cheaper on GPUs in TF32 and bf16, where cuDNN runs patch convolutions on CUDA cores.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """Rules for the grouped matmul of mixture-of-experts layers: experts over an axis, or each sharded.
 
 Hugging Face's default experts (`grouped_mm`) sort the routed rows X [S, K] by expert and call a
-grouped matmul (X, W [E, K, N], offs [E]): torch._grouped_mm when weights are bf16 (what export
-records in bf16: transformers lets torch.compile/export trace it in no other dtype), else
-transformers' grouped_mm_fallback (fp32, fp16, fp64). Row i of the output is X[i] @ W[e] for the
-expert e whose range of offs holds i. Both get these strategies per mesh axis:
+grouped matmul (X, W [E, K, N], offs [E]): torch._grouped_mm in bf16, else transformers'
+grouped_mm_fallback. Row i of the output is X[i] @ W[e] for the expert e whose range holds i.
+Both get these strategies per mesh axis:
   replicated  X, W, offs Replicate                       -> Replicate
-  experts     X Replicate, W Shard(0), offs Replicate    -> Partial: each rank computes the rows
-              routed to its own experts and leaves the others zero, so the sum over ranks is
-              the output (expert parallelism without all-to-all: tokens stay replicated and the
-              output is reduced instead; priced at balanced routing, S / n rows per rank)
-  experts gathered  as experts, but the output Replicate: the rows of the rank's experts are
-              all-gathered (rules/expert_gather.py, half the bytes of the Partial's all-reduce)
+  experts     X Replicate, W Shard(0), offs Replicate    -> Partial: each rank computes the rows of
+              its own experts, zero elsewhere (tokens stay replicated; priced at balanced routing)
+  experts gathered  as experts, the output Replicate: the rows of each rank's experts all-gathered
+              (rules/expert_gather.py, half the bytes of the Partial's all-reduce)
   columns     X Replicate, W Shard(2), offs Replicate    -> Shard(1)  (Megatron inside every expert)
   rows        X Shard(1), W Shard(1), offs Replicate     -> Partial
-The router (softmax, topk, sort, histc, index) has no rule here: it runs replicated. Other
-forms of aten._grouped_mm (a bias, another out_dtype, 3-D x 3-D batches, 2-D x 2-D or 3-D x 2-D
-groups) run replicated too, marked in the plan table.
+The router (softmax, topk, sort, histc, index) runs replicated, as do other forms of
+aten._grouped_mm (a bias, another out_dtype, 3-D x 3-D, 2-D x 2-D or 3-D x 2-D groups).
 """
 
 from __future__ import annotations

@@ -2,20 +2,17 @@
 
 These ops work on each (sample, channel) plane alone, so any leading dim shards for free. A
 spatial dim shards:
-  - for max and average pooling over windows that tile the input (stride == kernel, no padding or
-    dilation), where every rank's chunk holds whole windows, with no communication;
-  - for other max and average pooling windows (a ResNet stem's 3x3 stride-2 max pool with
-    padding 1), through kernel "halo_pool": each rank fetches the rows its output rows read
+  - for windows that tile the input (stride == kernel, no padding or dilation): no communication;
+  - for other max and average pooling windows (a ResNet stem's 3x3 stride-2 max pool), ceil mode
+    included, through kernel "halo_pool": each rank fetches the rows its output rows read
     (rules/halo.py), padded with -inf (max) or zeros (average, counting the padding);
-    in ceil mode too (a max pooling's last window reads -inf past the end);
-  - for adaptive average pooling to one point on that dim (a classifier's global pooling), through
-    kernel "partial_mean_pool": each rank pools its rows, weighted by its share of them, and the
-    output is a Partial sum (the pooled point is summed, the feature map never gathered); to more
-    points (a pyramid pooling's 2, 3, 6), through kernel "halo_adaptive_pool": each rank fetches
-    the rows of its output rows' windows and averages them (kernels/resize.py).
-Adaptive max pooling, an average that does not count its padding, or one whose last window in
-ceil mode runs past the padding (it divides by fewer rows), changes the windows at the edges:
-they run batch- or channel-sharded or whole.
+  - for adaptive average pooling to one point (a classifier's global pooling), through kernel
+    "partial_mean_pool": each rank pools its rows, weighted by its share, into a Partial sum; to
+    more points (a pyramid pooling's 2, 3, 6), through kernel "halo_adaptive_pool", which fetches
+    the rows of its output rows' windows (kernels/resize.py).
+Adaptive max pooling, an average that does not count its padding, or one whose last ceil-mode
+window runs past the padding changes the windows at the edges: they run batch- or
+channel-sharded, or whole.
 """
 
 from __future__ import annotations

@@ -1,0 +1,88 @@
+"""The default plan table's cells in short (ops, placements, kernels) and its lines cut to fit a terminal."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Sequence
+
+from tabulate import tabulate
+
+from .modules import ELLIPSIS, cut_middle
+from .placements import Placements, compact_placements
+
+TABLE_WIDTH = 120  # characters in a line of the default table: a terminal's
+MODULE_WIDTH = 28  # module paths longer than this are cut in the middle (modules.short_paths)
+NARROWEST_CELL = 12  # an op, placements or kernel cell cut to fit TABLE_WIDTH keeps this many characters
+HEADERS = ("module", "op", "placements", "kernel", "comm/rank", "time")
+_BUILTIN = re.compile(r"<built-in function (\w+)>")
+SHORT_OPS = {"scaled_dot_product_attention": "sdpa", "_scaled_dot_product_flash_attention": "sdpa_flash",
+             "_scaled_dot_product_efficient_attention": "sdpa_efficient",
+             "_scaled_dot_product_cudnn_attention": "sdpa_cudnn", "cross_entropy_loss": "cross_entropy"}
+
+
+def short_op(op: str) -> str:
+    """"linear" for aten.linear, "add" for aten.add.Tensor, "sdpa" for aten.scaled_dot_product_attention,
+    "getitem" for <built-in function getitem>."""
+    name = op.split(".")[1] if op.startswith("aten.") else op.removesuffix(".default")
+    return SHORT_OPS.get(name, _BUILTIN.sub(r"\1", name))
+
+
+def placements_cell(inputs: Sequence[Placements], output: Placements | None) -> str:
+    """"S0R RS0 -> S0S2": each input's placements, then the output's."""
+    text = " ".join(compact_placements(p) for p in inputs)
+    return f"{text} -> {compact_placements(output)}" if output else text
+
+
+def kernel_cell(kernel: str, fallback: bool) -> str:
+    """The kernel's name; "fallback" for an op run whole for want of a sharding rule."""
+    if not fallback:
+        return kernel
+    return "fallback" if kernel == "local" else f"{kernel} (fallback)"
+
+
+def narrow_table(rows: list[tuple[str, ...]]) -> str:
+    """`rows` under HEADERS, the op, placements and kernel cells cut in the middle (the widest column's
+    first) until a line fits TABLE_WIDTH."""
+    shrink = (1, 2, 3)
+    # tabulate's simple format: two spaces between columns, headers padded by two
+    widths = [max([len(h) + 2] + [len(r[c]) for r in rows]) for c, h in enumerate(HEADERS)]
+    while sum(widths) + 2 * (len(widths) - 1) > TABLE_WIDTH:
+        column = max(shrink, key=widths.__getitem__)
+        if widths[column] <= NARROWEST_CELL:
+            break
+        widths[column] -= 1
+    cut = [tuple(cut_middle(cell, widths[c]) if c in shrink else cell for c, cell in enumerate(r)) for r in rows]
+    return tabulate(cut, headers=HEADERS, tablefmt="simple", disable_numparse=True,
+                    colalign=("left",) * 4 + ("right",) * 2)
+
+
+def legend(axis_names: Sequence[str], *, fsdp: bool) -> str:
+    """What the default table's cells mean, a line per subject."""
+    first, *others = axis_names
+    rest = "" if not others else f", whole over {others[0] if len(others) == 1 else 'the others'}"
+    example = f"S0{'R' * len(others)}: dim 0 split over {first}{rest}"
+    return (f"placements: the op's inputs (linear: activation, weight, bias) -> output, a token per mesh axis "
+            f"({', '.join(axis_names)})\n"
+            f"  Sd = split along dim d, R = whole copy, P = partial sums to add; {example}\n"
+            "kernel: local = the op on local shards, fallback = no sharding rule (run whole), others = "
+            "autojigsaw's kernels\n"
+            f"time = comm + compute; {{0..3}}: alike layers; {ELLIPSIS}: path cut short; "
+            "table(wide=True): node names, shapes, memory, notes"
+            + ("\n(FSDP): bytes of its gathers and reduce-scatters; time: minus what compute hides of theirs "
+               "(priced in other nodes)" if fsdp else ""))
+
+
+def wrapped(text: str) -> str:
+    """`text` with every line longer than TABLE_WIDTH broken after a comma or semicolon where it can, between
+    words where it must, the lines it adds indented."""
+    lines = []
+    for line in text.splitlines():
+        pieces = [""]
+        for chunk in re.split(r"(?<=[,;]) ", line):
+            if pieces[-1] and len(pieces[-1]) + 1 + len(chunk) > TABLE_WIDTH:
+                pieces.append("  ")
+            pieces[-1] += (" " if pieces[-1].strip() else "") + chunk
+        lines += [part for piece in pieces for part in textwrap.wrap(
+            piece, TABLE_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)]
+    return "\n".join(lines)
