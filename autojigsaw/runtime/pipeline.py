@@ -1,0 +1,138 @@
+"""Pipeline stages at run time: each pipe rank runs its stages' programs under PyTorch's own schedule.
+
+Every stage this rank runs is a Program (its cut of the captured program, rewritten for its plan on
+the other axes), wrapped in a `StageModule` and a `PipelineStage` of torch.distributed.pipelining
+that is told the local shapes of what the stage receives and sends (static metadata: a stage never
+runs on made-up inputs). `PipelineRun.step` steps PyTorch's schedule class: it splits the whole
+batch into microbatches, averages their gradients (scale_grads) and keeps the last stage's losses,
+whose mean goes to every rank of the pipe axis. A weight that stages on two pipe ranks read (a tied
+embedding and head) has its gradient summed over the pipe axis after the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from ..placements import local_shape
+from ..plan import Pipeline
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity; its gradient made contiguous (gloo sends only contiguous tensors to the stage before)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+class StageModule(nn.Module):
+    """One stage's program as a PipelineStage runs it: it takes what the stage before sends (the first stage: the
+    model's whole inputs) and returns what it sends on, contiguous. `feed(flat)` turns them into the program's
+    inputs (weights, buffers, this rank's shards); `weights` are the parameters it reads (for zero-bubble
+    schedules, whose weight gradients run apart)."""
+
+    def __init__(self, run: Callable, feed: Callable[[list], list], weights: Sequence[nn.Parameter], first: bool):
+        super().__init__()
+        self.run, self.feed, self.first = run, feed, first
+        for k, p in enumerate(weights):
+            self.register_parameter(f"w{k}", p)
+
+    def forward(self, *args, **kwargs):
+        flat = pytree.tree_leaves((args, kwargs)) if self.first else list(args)
+        flat = [_ContiguousGradient.apply(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in flat]
+        return tuple(o.contiguous() for o in self.run(*self.feed(flat)))
+
+
+def meta_like(values: Sequence[torch.Tensor], placements, mesh_sizes, coord, *, grad: bool) -> tuple:
+    """Meta tensors of this rank's shards of `values` (what a stage receives or sends), floating ones needing
+    a gradient when `grad`."""
+    out = []
+    for v, pl in zip(values, placements):
+        shape = local_shape(tuple(v.shape), pl, mesh_sizes, coord) if pl is not None else tuple(v.shape)
+        out.append(torch.empty(shape, dtype=v.dtype, device="meta", requires_grad=grad and v.is_floating_point()))
+    return tuple(out)
+
+
+@dataclass
+class PipelineRun:
+    """This rank's stages under a schedule: `step` runs one training step of every microbatch."""
+
+    pipeline: Pipeline
+    schedule: object
+    stage_indices: tuple[int, ...]
+    group: dist.ProcessGroup
+    # per weight read on several pipe ranks: this rank's copy (None: it holds none), its local shape and dtype
+    tied: tuple[tuple[nn.Parameter | None, tuple[int, ...], torch.dtype], ...] = ()
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last(self) -> bool:
+        return len(self.pipeline.stages) - 1 in self.stage_indices
+
+    def step(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Forward and backward of every microbatch; the mean loss, on every rank."""
+        m = self.pipeline.microbatches
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(m) if self.has_last else None  # one per microbatch: the loss is the model's own
+        if self.has_first:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        else:
+            self.schedule.step(target=target, losses=losses, return_outputs=False)
+        loss = (torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(()))
+        last = self.pipeline.stages[-1].rank
+        dist.broadcast(loss, src=dist.get_global_rank(self.group, last), group=self.group)
+        self._sum_tied_gradients()
+        return loss
+
+    def _sum_tied_gradients(self) -> None:
+        """A weight read on several pipe ranks: each holds a copy whose gradient is its stages' share; sum them
+        over the pipe axis (ranks without the weight add zeros) so that every copy steps alike."""
+        for p, shape, dtype in self.tied:
+            grad = p.grad if p is not None else None
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            dist.all_reduce(local if local is not None else torch.zeros(shape, dtype=dtype), group=self.group)
+
+
+def make_stage(module: StageModule, index: int, count: int, device: torch.device, group, inputs: tuple,
+               outputs: tuple) -> PipelineStage:
+    """PyTorch's PipelineStage of one stage, its received and sent shapes given up front."""
+    return PipelineStage(module, index, count, device, input_args=inputs, output_args=outputs, group=group)
+
+
+def loss_reader(out_spec) -> Callable[[tuple, object], torch.Tensor]:
+    """The schedule's loss_fn: the model's own loss, read off the last stage's outputs."""
+
+    def loss_fn(output, target):
+        return loss_of(pytree.tree_unflatten(list(output), out_spec))
+
+    return loss_fn
+
+
+def loss_of(output) -> torch.Tensor:
+    """The loss a model returns: a scalar, or a Hugging Face output's `.loss` (or its first element)."""
+    if isinstance(output, torch.Tensor) and output.ndim == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) \
+            and output[0].ndim == 0:
+        loss = output[0]
+    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
+        raise ValueError("train_step needs a model that returns its loss: a scalar tensor, or an output with a scalar "
+                         "`.loss` (a Hugging Face model given labels=); wrap the model in a Module whose forward "
+                         "returns the loss")
+    return loss
