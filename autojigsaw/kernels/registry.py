@@ -56,6 +56,16 @@ def local_cost(op, fn: Callable) -> None:
     _LOCAL_COSTS[op] = fn
 
 
+def registered_kernels() -> dict[str, Kernel]:
+    """Every registered kernel by its name (a copy)."""
+    return dict(_KERNELS)
+
+
+def registered_local_costs() -> dict[object, Callable]:
+    """The cost of each op's "local" strategies, where registered, by op (a copy)."""
+    return dict(_LOCAL_COSTS)
+
+
 def kernel_call(name: str, node: Node, spec, rank, local_inputs):
     """(callable, args, kwargs) of kernel `name` for `node` under strategy `spec`."""
     kernel = _KERNELS.get(name)
