@@ -185,11 +185,11 @@ class ParallelModule(nn.Module):
         passes local shards: their global shape is the plan's, others are refused clearly), the
         values of the inputs that are no tensors, and which tensor inputs need a gradient (for a
         program only: `_find`)."""
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat, tree_spec = pytree.tree_flatten((args, kwargs))
         if self._local_inputs_given:
             call = ("local shards", constant_keys(flat))
         else:
-            call = (str(spec), tuple(value_key(x) for x in flat))
+            call = (str(tree_spec), tuple(value_key(x) for x in flat))
         return module_state(self._model), call, needs_grad(flat)
 
     def _find(self, key: tuple) -> Program | None:
@@ -265,10 +265,10 @@ class ParallelModule(nn.Module):
             check_same_values(values_to_agree(self._model, self._active.captured, args, kwargs, weights=False,
                                               whole_inputs=not self._local_inputs_given))
         captured = self._active.captured
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != captured.in_spec:
+        flat, tree_spec = pytree.tree_flatten((args, kwargs))
+        if tree_spec != captured.in_spec:
             raise ValueError(f"the module was planned for inputs structured as {captured.in_spec}, "
-                             f"got {spec}; call it as in the example inputs")
+                             f"got {tree_spec}; call it as in the example inputs")
 
         def run():
             return self._active.run(*self._feeds(flat))
