@@ -87,9 +87,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, example_kwar
 
     - `example_inputs`: the positional inputs of one call (tensors, may be `stand_in`s);
       `example_kwargs`: its keyword inputs. The plan is priced at their shapes.
-    - `**options`: `device`, `training`, `memory_budget`, `optimizer`, `input_placements`,
-      `output_placements`, `tie_layers`, `mp_policy`, `activation_checkpointing`, `data_parallel`,
-      `dynamic`, `solver`: see autojigsaw.Options (help(autojigsaw.Options)), where each is documented.
+    - `**options`: the fields of autojigsaw.Options as keywords (`device=`, `memory_budget=`,
+      `activation_checkpointing=`, ...), each documented there: help(autojigsaw.Options).
 
         import autojigsaw, torch
         plan = autojigsaw.plan(model, (torch.randn(8, 1024, 512),), {"domain": 8, "tensor": 8},
@@ -121,9 +120,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
       ("aot_eager": graph breaks and the traced backward checked, no kernels generated).
     - `plan`: apply this Plan (from `autojigsaw.plan` or `Plan.from_json`) instead of planning;
       its recomputation and data-parallel mode included.
-    - `**options`: `device`, `training`, `memory_budget`, `optimizer`, `input_placements`,
-      `output_placements`, `tie_layers`, `mp_policy`, `activation_checkpointing`, `data_parallel`,
-      `dynamic`, `solver`: see autojigsaw.Options (help(autojigsaw.Options)), where each is documented.
+    - `**options`: the fields of autojigsaw.Options as keywords (`device=`, `memory_budget=`,
+      `activation_checkpointing=`, ...), each documented there: help(autojigsaw.Options).
 
         import autojigsaw, torch
         from torch.distributed.device_mesh import init_device_mesh

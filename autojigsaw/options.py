@@ -5,8 +5,8 @@ here; `api.plan_captured` takes the object itself. A new option is a field and i
 docstring (tests/test_docstrings.py fails on a field the docstring does not name).
 """
 
-from __future__ import annotations
-
+# (no `from __future__ import annotations`: the annotations are evaluated, so help(Options) shows each
+# field's choices, the Literal's values, and not an alias's name)
 import dataclasses
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -87,7 +87,7 @@ class Options:
                              "in big problems)")
 
     @classmethod
-    def from_keywords(cls, keywords: Mapping, caller: str) -> Options:
+    def from_keywords(cls, keywords: Mapping, caller: str) -> "Options":
         """The Options of `caller`'s keyword arguments; one that is no field is a TypeError naming the fields."""
         fields = [f.name for f in dataclasses.fields(cls)]
         unknown = [name for name in keywords if name not in fields]
