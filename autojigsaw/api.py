@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import numbers
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate
 
 from .capture import Captured, at_sizes, capture, refuse_backward_hooks
@@ -25,10 +25,11 @@ from .cost_model.estimate import CostContext
 from .cost_model.in_flight import with_in_flight
 from .cost_model.recompute import repeated_layers
 from .cost_model.regime import with_fsdp_traffic, with_regime
-from .cost_model.memory import Optimizer, optimizer_spec
+from .cost_model.memory import Optimizer, OptimizerName, optimizer_spec
 from .dtypes import value_carries_grad
 from .ir import grads_by_name
 from .mesh import MeshSpec, RankView
+from .options import Options
 from .placements import Placement, Placements, normalize
 from .plan import Plan, PlanStats
 from .planner import build_problem, solve
@@ -54,32 +55,6 @@ from .training import Precision, Regime, data_axes
 log = logging.getLogger("autojigsaw")
 
 
-@dataclass(frozen=True)
-class Options:
-    """The planning options `plan` and `parallelize` take, in one place."""
-
-    device: str | DeviceSpec = "h100"  # a spec name ("h100", "cpu", ...) or a spec (autojigsaw.calibrate)
-    training: bool = True
-    memory_budget: int | None = None  # bytes per rank; None: 90 % of the device's memory
-    optimizer: str | Optimizer = "adam"
-    input_placements: Sequence[Placements | None] | None = None  # None: autojigsaw chooses
-    output_placements: Sequence[Placements | None] | None = None  # None entries: autojigsaw chooses
-    tie_layers: bool | None = None  # one strategy per node of repeated layers; None: for big problems
-    regime: Regime = Regime()  # mixed precision, recomputation, data parallelism
-
-    def __post_init__(self):
-        budget = self.memory_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
-                                   or not 0 < budget < float("inf")):
-            raise ValueError(f"memory_budget={budget!r} is not a budget: give bytes per rank as a positive number "
-                             "(e.g. 40 * 2**30 for 40 GiB), or None for the default")
-        if not isinstance(self.training, bool):
-            raise ValueError(f"training={self.training!r}: give True (forward, backward and optimizer step) or False")
-        if self.tie_layers is not None and not isinstance(self.tie_layers, bool):
-            raise ValueError(f"tie_layers={self.tie_layers!r}: give True, False or None (tie repeated layers only "
-                             "in big problems)")
-
-
 def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"the model must be a torch.nn.Module, got {type(model).__name__}: wrap a function in a "
@@ -98,32 +73,14 @@ def _positional(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
-def regime_of(mesh: MeshSpec, device: str | DeviceSpec, mp_policy, activation_checkpointing: str,
-              data_parallel: str | None) -> Regime:
-    """The checked training regime: an unknown policy, FSDP without a data axis, or a compute
-    dtype the device has no peak for is a ValueError naming the choices."""
-    regime = Regime.of(mesh, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing,
-                       data_parallel=data_parallel)
-    spec = device_spec(device)
-    dtype = regime.precision.param_dtype
-    if regime.precision.mixed and str(dtype).removeprefix("torch.") not in dict(spec.flops):
-        raise ValueError(f"mp_policy.param_dtype={dtype} cannot be computed in on device {spec.name!r}, whose "
-                         f"peak table lists {[name for name, _ in spec.flops]}: choose one of those dtypes")
-    return regime
-
-
 def capture_for(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime) -> Captured:
     """The model's graph as the regime runs it (floating parameters and inputs in param_dtype)."""
     precision = regime.precision
     return capture(model, args, kwargs, param_dtype=precision.param_dtype if precision.mixed else None)
 
 
-def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str | DeviceSpec = "h100",
-         training: bool = True, memory_budget: int | None = None, optimizer: str | Optimizer = "adam",
-         input_placements: Sequence[Placements | None] | None = None,
-         output_placements: Sequence[Placements] | None = None,
-         example_kwargs: Mapping | None = None, tie_layers: bool | None = None, mp_policy=None,
-         activation_checkpointing: str = "none", data_parallel: str | None = None, dynamic: bool = False) -> Plan:
+def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, example_kwargs: Mapping | None = None,
+         **options) -> Plan:
     """Plan `model` on `mesh` (a DeviceMesh or e.g. {"domain": 8, "tensor": 8}); runs nothing.
 
     No process group is needed and the model may live on the meta device. Returns a Plan:
@@ -131,27 +88,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
 
     - `example_inputs`: the positional inputs of one call (tensors, may be `stand_in`s);
       `example_kwargs`: its keyword inputs. The plan is priced at their shapes.
-    - `device`: a spec name, "h100", "h100-96gb", "h200", "a100" or "cpu" (= "cpu-gloo"), with
-      "+compile" for a torch.compile'd step ("h100+compile"); or a DeviceSpec (autojigsaw.calibrate).
-    - `training`: price forward + backward + optimizer step (True) or forward only (False).
-    - `memory_budget`: bytes per rank; None: 90 % of the device's memory.
-    - `optimizer`: its state is priced: "adam", "adamw", "sgd", "momentum", "rmsprop",
-      "adagrad".
-    - `input_placements` / `output_placements`: one entry per input / output tensor, a tuple
-      of DTensor placements with one per mesh axis (e.g. `(Shard(0), Replicate())`), or None
-      to let autojigsaw choose; the whole list None: autojigsaw chooses every one.
-    - `tie_layers`: repeated layers get one shared strategy per node (None: for big problems
-      only; smaller ones get the exact optimum over every node's choice).
-    - `mp_policy`: torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32
-      masters, gradient sums in reduce_dtype); None: the model's dtype throughout.
-    - `activation_checkpointing`: "none", "selective" (keep matmul and attention outputs),
-      "selective-op" (torchtitan's op-level policy: also recompute every second matmul),
-      "full", or "auto" (the planner chooses none, selective or full per layer, with the
-      sharding, under the budget).
-    - `data_parallel`: "fsdp" or "ddp" on a mesh axis named "data"/"dp" (default "fsdp"
-      there); no other axis name has a role: `domain` and `tensor` are labels.
-    - `dynamic`: capture with symbolic sizes (torch.export `Dim.AUTO`) for
-      `parallelize(dynamic=True, plan=...)`; the plan is still priced at the example's shape.
+    - `**options`: the fields of autojigsaw.Options as keywords (`device=`, `memory_budget=`,
+      `activation_checkpointing=`, ...), each documented there: help(autojigsaw.Options).
 
         import autojigsaw, torch
         plan = autojigsaw.plan(model, (torch.randn(8, 1024, 512),), {"domain": 8, "tensor": 8},
@@ -159,22 +97,17 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, device: str 
         print(plan)  # the table, the predicted seconds per step, bytes per rank
     """
     _check_model(model)
+    options = Options.from_keywords(options, "plan")
     mesh = MeshSpec.of(mesh)
-    regime = regime_of(mesh, device, mp_policy, activation_checkpointing, data_parallel)
-    options = Options(device, training, memory_budget, optimizer, input_placements, output_placements, tie_layers,
-                      regime)
+    regime = options.regime(mesh)
     args, kwargs = _positional(example_inputs), dict(example_kwargs or {})
-    symbolic = _symbolic(model, args, kwargs, regime) if dynamic else None
+    symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
     captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
     return plan_captured(captured, mesh, options)
 
 
 def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = None, *, compile: bool | str = True,
-                training: bool = True, memory_budget: int | None = None, device: str | DeviceSpec | None = None,
-                input_placements: Sequence[Placements | None] | None = None,
-                output_placements: Sequence[Placements] | None = None, example_kwargs: Mapping | None = None,
-                plan: Plan | None = None, mp_policy=None, activation_checkpointing: str = "none",
-                data_parallel: str | None = None, dynamic: bool = False) -> ParallelModule:
+                example_kwargs: Mapping | None = None, plan: Plan | None = None, **options) -> ParallelModule:
     """Shard `model` over `mesh` (a DeviceMesh with named axes) by a plan; returns the module to train.
 
     Every rank calls it with the same model and inputs. Parameters of the result are DTensors
@@ -186,27 +119,10 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
       with the parameters kept in place (one plan per shape, cached).
     - `compile`: torch.compile the rewritten graph (fullgraph); a string names the backend
       ("aot_eager": graph breaks and the traced backward checked, no kernels generated).
-    - `training`: plan and run forward + backward (True) or forward only.
-    - `memory_budget`: bytes per rank; None: this rank's free device memory (on CPU the host
-      memory divided by the local ranks).
-    - `device`: the spec the plan is priced on, as for `autojigsaw.plan` ("h100", "h100-96gb",
-      "h200", "a100", "cpu", "+compile" appended for a compiled step) or a DeviceSpec; None: the
-      mesh's device (the GPU's name on CUDA).
-    - `input_placements`: one entry per input, a tuple of DTensor placements with one per
-      mesh axis (e.g. `[(Shard(2), Shard(2))]`), or None to let autojigsaw choose; given, the
-      caller passes this rank's shards. `output_placements`: likewise for the outputs, which
-      then come back as this rank's shards.
     - `plan`: apply this Plan (from `autojigsaw.plan` or `Plan.from_json`) instead of planning;
       its recomputation and data-parallel mode included.
-    - `mp_policy`, `activation_checkpointing`, `data_parallel`: as for `autojigsaw.plan`
-      (MixedPrecisionPolicy or None; "none" | "selective" | "selective-op" | "full" | "auto"; "fsdp" | "ddp"
-      on an axis named "data"/"dp").
-    - `dynamic`: one plan for every size torch.export can keep symbolic (batch, sequence):
-      the model is captured once with `Dim.AUTO`, planned at the example inputs' shape (give
-      the largest you will run: it prices memory), and other sizes in the range run with the
-      same plan without planning; a size the plan cannot split is planned again, and a model
-      export cannot capture so is planned per shape (one log line says why). With `plan=`,
-      give a plan made by `autojigsaw.plan(..., dynamic=True)`.
+    - `**options`: the fields of autojigsaw.Options as keywords (`device=`, `memory_budget=`,
+      `activation_checkpointing=`, ...), each documented there: help(autojigsaw.Options).
 
         import autojigsaw, torch
         from torch.distributed.device_mesh import init_device_mesh
@@ -216,51 +132,56 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
         pmodel(x).square().mean().backward(); opt.step()
     """
     _check_model(model)
-    device = device or device_of(mesh)
-    spec = MeshSpec.of(mesh)
-    if plan is not None and data_parallel is None:
-        data_parallel = plan.data_parallel
-    regime = regime_of(spec, device, mp_policy, activation_checkpointing, data_parallel)
-    if memory_budget is None:
-        memory_budget = default_budget(mesh)
-    options = Options(device, training, memory_budget, input_placements=input_placements,
-                      output_placements=output_placements, regime=regime)
-    if dynamic and input_placements is not None:
+    options = _resolved(Options.from_keywords(options, "parallelize"), mesh, plan)
+    mesh_spec = MeshSpec.of(mesh)
+    regime = options.regime(mesh_spec)
+    if options.memory_budget is None:
+        options = replace(options, memory_budget=default_budget(mesh))
+    if options.dynamic and options.input_placements is not None:
         raise ValueError("dynamic=True serves a range of whole-input shapes, but input_placements makes the "
                          "caller pass local shards of one shape: drop one of the two")
-    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile,
-                              dynamic=dynamic)
-    module = ParallelModule(model, mesh, build, plan=plan, local_inputs=input_placements is not None,
-                            local_outputs=output_placements is not None)
+    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile)
+    module = ParallelModule(model, mesh, build, plan=plan, local_inputs=options.input_placements is not None,
+                            local_outputs=options.output_placements is not None)
     if example_inputs is not None:
         module.build(_positional(example_inputs), dict(example_kwargs or {}))
-    elif regime.fsdp and spec.sizes[data_axes(spec)[0]] > 1:
+    elif regime.fsdp and mesh_spec.sizes[data_axes(mesh_spec)[0]] > 1:
         raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass example_inputs "
                          "to parallelize, or data_parallel='ddp' to plan at the first call")
     return module
 
 
+def _resolved(options: Options, device_mesh, plan: Plan | None) -> Options:
+    """parallelize's options with its defaults filled in: the mesh's device, the given plan's data-parallel mode."""
+    if options.device is None:
+        options = replace(options, device=device_of(device_mesh))
+    if plan is not None and options.data_parallel is None:
+        options = replace(options, data_parallel=plan.data_parallel)
+    return options
+
+
 def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
-             options: Options, compile: bool | str, dynamic: bool = False, pinned: dict[str, Placements] | None = None,
+             options: Options, compile: bool | str, pinned: dict[str, Placements] | None = None,
              reuse: Program | None = None, units: FsdpUnits | None = None) -> Program:
     """One rank's program: capture, plan (unless given), materialize its shards (and FSDP's units), rewrite,
     compile. `units`: the FSDP units the first program made, which later ones run through.
 
     `pinned` (parameter FQN -> placements): the model is sharded already and is planned again for
     new input shapes with its parameters where they are, so the optimizer's DTensors stay valid.
-    `dynamic`: capture with symbolic sizes (Program.symbolic) so that the plan serves their range;
+    `options.dynamic`: capture with symbolic sizes (Program.symbolic) so that the plan serves their range;
     `reuse`: such a program whose range holds these inputs: its plan, where legal at these sizes.
     """
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
+    regime = options.regime(mesh)
     captured, symbolic, failed = None, None, None
     try:
         refuse_backward_hooks(model)  # the program's backward runs none of them
         if reuse is not None:
             symbolic = reuse.symbolic
         else:
-            symbolic = _symbolic(model, args, kwargs, options.regime) if dynamic else None
-        captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, options.regime)
+            symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
+        captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
     except Exception as e:  # noqa: BLE001 -- told to the other ranks first (none waits for this one), then raised
         failed = e
     follow_rank0_order(captured)  # before any plan names its nodes
@@ -269,7 +190,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
             plan = _reused(captured, reuse.plan)
             symbolic = symbolic if plan is not None else None
         if failed is None and plan is not None:
-            check_plan(plan, mesh, captured, options.regime)
+            check_plan(plan, mesh, captured, regime)
     except Exception as e:  # noqa: BLE001 -- as above
         failed = e
     if failed is not None:
@@ -278,7 +199,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
         plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
     # every rank agrees on the model and on the plan, or on what rank 0 is to plan, before it is made
     facts = _facts(captured) if captured is not None else {"model": f"not captured ({plan_fact})"}
-    check_agreement({**facts, "plan": plan_fact, "options": _options_fact(options)})
+    check_agreement({**facts, "plan": plan_fact, "options": options.describe()})
     if failed is not None:
         raise failed
     if plan is None:
@@ -289,17 +210,22 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     rank = RankView.of(device_mesh, mesh)
     if pinned is None:
         materialize_model(model, plan.param_placements, device_mesh, rank.coord)
-        units = shard_in_units(model, captured, device_mesh, options.regime)
+        units = shard_in_units(model, captured, device_mesh, regime)
     # Inputs that do not require grad skip these gradient collectives at run time.
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
     split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
-    if units is not None and pieces:  # FSDP's hooks run between the pieces: each compiled on its own
+    return Program(captured, plan, rank, gm, _runnable(split, pieces, units, compile), regime.precision, symbolic,
+                   units)
+
+
+def _runnable(split: torch.fx.GraphModule, pieces, units: FsdpUnits | None, compile: bool | str) -> torch.nn.Module:
+    """What runs the rewritten graph (split in layers): compiled whole, or under FSDP's units, whose hooks
+    run between the pieces, each piece compiled on its own."""
+    if units is not None and pieces:
         units.wrap(split, pieces, compile_pieces(split, functools.partial(_compiled, compile=compile)))
-        run = split
-    else:
-        run = _compiled(split, compile)
-    return Program(captured, plan, rank, gm, run, options.regime.precision, symbolic, units)
+        return split
+    return _compiled(split, compile)
 
 
 def _compiled(gm: torch.fx.GraphModule, compile: bool | str) -> torch.nn.Module:
@@ -337,11 +263,6 @@ def _reused(captured: Captured, plan: Plan) -> Plan | None:
         return None
 
 
-def _options_fact(options: Options) -> str:
-    """The options every rank must plan with alike (rank 0's plan serves all), as text."""
-    return repr(replace(options, device=options.device if isinstance(options.device, str) else options.device.name))
-
-
 def _facts(captured: Captured) -> dict[str, str]:
     """What every rank must agree on before the step: the model's parameters, the input shapes and the
     traced program (a constant or a branch that differs by rank changes it; device indices do not)."""
@@ -357,28 +278,32 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
                   pinned: dict[str, Placements] | None = None, *, in_flight: int = 1) -> Plan:
     """The planning stages on an already captured graph: strategies, costs, solve, Plan.
 
+    `options`: an autojigsaw.Options (its `dynamic` is the capture's, not read here);
     `pinned`: placeholder name -> placements every strategy must keep (parameters already sharded).
     `in_flight`: microbatches whose saved activations are held at once (a pipeline stage's).
+
+        plan = plan_captured(capture(model, (x,)), MeshSpec.of({"tensor": 2}), Options(device="cpu"))
     """
-    spec = device_spec(options.device)
-    budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * spec.memory_bytes)
+    device, regime = options.device_spec(), options.regime(mesh)
+    budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
     t0 = time.perf_counter()
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}
     annotate(captured.gm, mesh, data_pins(captured, mesh, fixed),
              _output_placements(captured, mesh, options.output_placements, options.training))
     t1 = time.perf_counter()
-    ctx = CostContext(mesh, spec, options.training, optimizer_spec(options.optimizer), options.regime)
+    ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime)
     problem = _problem(captured, ctx, options.tie_layers)
     t2 = time.perf_counter()
     nodes = {n.name: n for n in captured.gm.graph.nodes}
-    policy = options.regime.recompute if options.training else "none"
+    policy = regime.recompute if options.training else "none"
     persistent = {i for i, name in enumerate(problem.names) if name in captured.params or name in captured.buffers}
+    solver = options.solver or solve
 
     def held(p):
         return replace(p, memory=with_in_flight(p.memory, in_flight, persistent))
 
     chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
-                                  budget, lambda p, b, **kw: solve(held(p), b, **kw))
+                                  budget, lambda p, b, **kw: solver(held(p), b, **kw))
     problem, solution = held(chosen.problem), chosen.solution
     if solution is None:
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
@@ -391,14 +316,15 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
 
 
 def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,
-             optimizer: str | Optimizer = "adam", example_kwargs: Mapping | None = None, mp_policy=None) -> Plan:
+             optimizer: OptimizerName | Optimizer = "adam", example_kwargs: Mapping | None = None,
+             mp_policy: MixedPrecisionPolicy | None = None) -> Plan:
     """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans.
 
-    `model`, `example_inputs` and `example_kwargs` are those the plan was made for; `device` a
-    spec name ("h100", "h100-96gb", "h200", "a100", "cpu"; "h100+compile" for a compiled step)
-    or a DeviceSpec; `optimizer` as in `autojigsaw.plan`. The plan's recomputed layers
-    (`plan.recompute`, editable) and data-parallel mode are priced as given; `mp_policy` as in
-    `plan`. Returns the plan with new step_time (seconds), memory_per_rank and comm_bytes (bytes).
+    `model`, `example_inputs` and `example_kwargs` are those the plan was made for. `device`
+    (required here), `optimizer` and `mp_policy`: see autojigsaw.Options. The plan's other
+    decisions, its recomputed layers (`plan.recompute`, editable) and data-parallel mode
+    included, are priced as given. Returns the plan with new step_time (seconds),
+    memory_per_rank and comm_bytes (bytes).
 
         on_a100 = autojigsaw.evaluate(plan, model, (x,), device="a100")
         print(on_a100.step_time, on_a100.memory_per_rank)

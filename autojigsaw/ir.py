@@ -133,8 +133,8 @@ class _Named(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
 
 
 class GradKind(_Named):

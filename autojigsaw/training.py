@@ -12,13 +12,16 @@ all-reduces gradients).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from .mesh import MeshSpec
 
-RECOMPUTE_CHOICES = ("auto", "none", "selective", "selective-op", "full")
-DATA_PARALLEL_CHOICES = ("fsdp", "ddp")
+RecomputePolicy = Literal["auto", "none", "selective", "selective-op", "full"]
+DataParallel = Literal["fsdp", "ddp"]
+RECOMPUTE_CHOICES = get_args(RecomputePolicy)
+DATA_PARALLEL_CHOICES = get_args(DataParallel)
 DATA_AXIS_NAMES = ("data", "dp")
 
 
@@ -76,8 +79,8 @@ class Regime:
     """The training regime a plan is made for: precision, recomputation policy, data parallelism."""
 
     precision: Precision = Precision()
-    recompute: str = "none"
-    data_parallel: str | None = None  # "fsdp" | "ddp" on the mesh's data axis; None: no data axis
+    recompute: RecomputePolicy = "none"
+    data_parallel: DataParallel | None = None  # on the mesh's data axis; None: no data axis
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_CHOICES:
@@ -86,8 +89,8 @@ class Regime:
         _check_data_parallel(self.data_parallel)
 
     @classmethod
-    def of(cls, mesh: MeshSpec, *, mp_policy=None, activation_checkpointing: str = "none",
-           data_parallel: str | None = None) -> Regime:
+    def of(cls, mesh: MeshSpec, *, mp_policy=None, activation_checkpointing: RecomputePolicy = "none",
+           data_parallel: DataParallel | None = None) -> Regime:
         """The regime for `mesh`, checked: data_parallel defaults to "fsdp" when the mesh has a data axis."""
         _check_data_parallel(data_parallel)  # before the mesh's axes, which a wrong value would be blamed on
         axes = data_axes(mesh)

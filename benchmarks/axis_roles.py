@@ -81,7 +81,7 @@ def captured_and_whole(name: str):
     model, inputs = build(name)
     captured = autojigsaw.api.capture_for(model, inputs, {}, autojigsaw.api.Regime())
     whole = autojigsaw.api.plan_captured(captured, autojigsaw.MeshSpec(("tensor",), (1,)),
-                                         autojigsaw.api.Options("h100")).memory_per_rank
+                                         autojigsaw.Options("h100")).memory_per_rank
     return captured, whole
 
 
@@ -89,7 +89,7 @@ def plan_both(name: str, mesh_shape: tuple[int, int]) -> list:
     """[model, mesh, (bytes, step s) with labels, the same with roles, ratios, unfiltered nodes]."""
     captured, whole = captured_and_whole(name)
     mesh = autojigsaw.MeshSpec(("domain", "tensor"), mesh_shape)
-    options = autojigsaw.api.Options("h100", memory_budget=whole // 2)
+    options = autojigsaw.Options("h100", memory_budget=whole // 2)
     results, unfiltered = [], []
     for enforce in (False, True):
         try:

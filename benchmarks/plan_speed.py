@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
-from autojigsaw.api import Options, plan_captured
+from autojigsaw import Options
+from autojigsaw.api import plan_captured
 from autojigsaw.capture import capture
 from autojigsaw.mesh import MeshSpec
 

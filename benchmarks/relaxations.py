@@ -12,7 +12,8 @@ optimum's gap to three lower bounds and HiGHS' time on two formulations of the m
   plan is elsewhere;
 - rows as differences: every memory row written as the previous point's plus what changes (far
   fewer nonzeros, the same LP), and HiGHS' seconds on the whole program either way.
-Against the planner's own solve. Uses the planner's private builder: it measures the formulation.
+Against the planner's own solve (recorded through the `solver` option); the formulation is the planner's
+own, built by `planner.milp.MilpBuilder`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 import autojigsaw  # noqa: E402
-import autojigsaw.api as api  # noqa: E402
 from autojigsaw.planner import highs, milp  # noqa: E402
 from benchmarks.families import WeatherMixerFamily  # noqa: E402
 from benchmarks.scaling import MIXED  # noqa: E402
@@ -38,17 +38,19 @@ from benchmarks.solve_speed import TWO, TWO_BY_TWO, one_rank_memory, small  # no
 
 
 def under(name: str, mesh: dict[str, int], fraction: float):
-    """A small case of solve_speed.py under `fraction` of its 1-rank memory (cpu spec, float64)."""
+    """A small case of solve_speed.py under `fraction` of its 1-rank memory (cpu spec, float64), as a
+    function of the solver to plan with."""
     budget = int(fraction * one_rank_memory(name))
     model, inputs, _ = small(name)
-    return lambda: autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget)
+    return lambda solver: autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget, solver=solver)
 
 
 def mixer_edge():
-    """solve_speed's 4-GPU mixer edge plan (dim 32144, A100-40GB, mixed), no recomputation."""
+    """solve_speed's 4-GPU mixer edge plan (dim 32144, A100-40GB, mixed), no recomputation, as a function
+    of the solver to plan with."""
     model, inputs = WeatherMixerFamily().build(2009)
-    return lambda: autojigsaw.plan(model, inputs, TWO_BY_TWO, device="a100-40gb", mp_policy=MIXED,
-                                   activation_checkpointing="none")
+    return lambda solver: autojigsaw.plan(model, inputs, TWO_BY_TWO, device="a100-40gb", mp_policy=MIXED,
+                                          activation_checkpointing="none", solver=solver)
 
 
 CASES = {"Mistral-2L-h64, 2x2, 0.8": lambda: under("mistral", TWO_BY_TWO, 0.8),
@@ -66,23 +68,19 @@ def solved_problem(make_plan) -> tuple:
         seen.append((problem, budget, solution, time.perf_counter() - start))
         return solution
 
-    api.solve, saved = recorded, api.solve
-    try:
-        make_plan()
-    finally:
-        api.solve = saved
+    make_plan(recorded)
     return seen[-1]
 
 
 def program(problem, budget: float, points) -> tuple:
     """(cost, matrix, lo, hi, upper, integer, which rows are memory rows, builder) of the planner's MILP
     with these points' memory rows."""
-    builder = milp._Builder(problem, budget)
+    builder = milp.MilpBuilder(problem, budget)
     for point in points:
         builder.add_memory_row(int(point))
-    cost, matrix, lo, hi, upper = builder.model.arrays()
+    cost, matrix, lo, hi, upper = builder.milp.arrays()
     memory = np.isinf(lo) & (hi == 1.0)  # the memory rows: bytes / budget <= 1
-    return cost, matrix.tocsr(), lo, hi, upper, np.concatenate(builder.model.integer), memory, builder
+    return cost, matrix.tocsr(), lo, hi, upper, np.concatenate(builder.milp.integer), memory, builder
 
 
 def as_differences(cost, matrix, lo, hi, upper, integer, memory) -> tuple:
@@ -99,7 +97,7 @@ def as_differences(cost, matrix, lo, hi, upper, integer, memory) -> tuple:
 
 def measure(name: str, make_plan) -> list:
     problem, budget, solution, seconds = solved_problem(make_plan())
-    optimum = solution.objective * milp._SCALE
+    optimum = solution.objective * milp.OBJECTIVE_SCALE
     candidates = problem.memory.peak_candidates()
     cost, matrix, lo, hi, upper, integer, memory, _ = program(problem, budget, candidates)
     lp = highs.solve_lp(cost, matrix.tocsc(), lo, hi, upper, 300)

@@ -32,13 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 import autojigsaw  # noqa: E402
-import autojigsaw.api as api  # noqa: E402
 import autojigsaw.planner.highs as highs_module  # noqa: E402
-import autojigsaw.planner.milp as milp_module  # noqa: E402
-from autojigsaw.api import Options, plan_captured  # noqa: E402
+from autojigsaw import Options  # noqa: E402
+from autojigsaw.api import plan_captured  # noqa: E402
 from autojigsaw.capture import capture  # noqa: E402
 from autojigsaw.mesh import MeshSpec  # noqa: E402
-from autojigsaw.training import Regime  # noqa: E402
+from autojigsaw.planner import solve  # noqa: E402
 from benchmarks.families import WeatherMixerFamily  # noqa: E402
 from benchmarks.plan_speed import BATCH, SEQ, llama  # noqa: E402
 from benchmarks.scaling import MIXED  # noqa: E402
@@ -105,30 +104,32 @@ class Recorder:
                 f"{sum(c[4] for c in self.calls):.2f}", status)
 
 
-def one_rank_memory(name: str) -> float:
+def one_rank_memory(name: str, solver=None) -> float:
     """Bytes per rank of a small case's plan on one rank: what its budgets are fractions of."""
     model, inputs, kwargs = small(name)
-    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu", example_kwargs=kwargs).memory_per_rank
+    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu", example_kwargs=kwargs,
+                           solver=solver).memory_per_rank
 
 
-def run_small(name: str, mesh: dict[str, int], fraction: float) -> tuple:
-    budget = int(fraction * one_rank_memory(name))
+def run_small(name: str, mesh: dict[str, int], fraction: float, solver) -> tuple:
+    budget = int(fraction * one_rank_memory(name, solver))
     model, inputs, kwargs = small(name)
     with Recorder() as rec:
         try:
-            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget, example_kwargs=kwargs)
+            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget, example_kwargs=kwargs,
+                                   solver=solver)
             objective = f"{plan.step_time * 1e6:.3f} us"
         except ValueError as e:
             objective = f"infeasible ({str(e).splitlines()[0][:40]}...)"
     return (f"{name} on {_mesh(mesh)} at {fraction}", *rec.row(), objective)
 
 
-def run_llama() -> tuple:
+def run_llama(solver) -> tuple:
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
     captured = capture(llama(32, hf=False), (ids, ids), {})
     mesh = MeshSpec.of({"domain": 8, "tensor": 8})
-    options = Options(device="h100", training=True, memory_budget=None,
-                      regime=Regime.of(mesh, activation_checkpointing="auto"))
+    options = Options(device="h100", training=True, memory_budget=None, activation_checkpointing="auto",
+                      solver=solver)
     with Recorder() as rec:
         plan = plan_captured(captured, mesh, options)
     recomputed = ", ".join(sorted({p for _, p in plan.recompute})) or "none"
@@ -141,11 +142,11 @@ MIXERS = [("Jigsaw mixer dim 32144 on 2x2, mixed, auto", 2009, TWO_BY_TWO),
           ("Jigsaw mixer dim 47616 on 2x4, mixed, auto", 2976, {"domain": 2, "tensor": 4})]
 
 
-def run_mixer(name: str, size: int, mesh: dict[str, int]) -> tuple:
+def run_mixer(name: str, size: int, mesh: dict[str, int], solver) -> tuple:
     model, inputs = WeatherMixerFamily().build(size)
     with Recorder() as rec:
         plan = autojigsaw.plan(model, inputs, mesh, device="a100-40gb", mp_policy=MIXED,
-                               activation_checkpointing="auto")
+                               activation_checkpointing="auto", solver=solver)
     recomputed = ", ".join(sorted({p for _, p in plan.recompute})) or "none"
     return (name, *rec.row(), f"{plan.step_time * 1e3:.3f} ms (recompute: {recomputed}; "
                               f"solve stage {plan.stats.solve_s:.0f} s)")
@@ -160,18 +161,18 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per MILP (the planner's: 300)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
     args = parser.parse_args()
-    api.solve = functools.partial(milp_module.solve, time_limit=args.time_limit)
+    solver = functools.partial(solve, time_limit=args.time_limit)
     rows = []
     for name, mesh, fraction in CASES:
         if args.only in f"{name} on {_mesh(mesh)} at {fraction}":
-            rows.append(run_small(name, mesh, fraction))
+            rows.append(run_small(name, mesh, fraction, solver))
             print(*rows[-1], sep=" | ", flush=True)
     if args.only in "Llama-3-8B on 8x8, auto":
-        rows.append(run_llama())
+        rows.append(run_llama(solver))
         print(*rows[-1], sep=" | ", flush=True)
     for name, size, mesh in MIXERS:
         if args.only in name:
-            rows.append(run_mixer(name, size, mesh))
+            rows.append(run_mixer(name, size, mesh, solver))
             print(*rows[-1], sep=" | ", flush=True)
     print(f"\nMILP time limit {args.time_limit:.0f} s per solve")
     print(tabulate(rows, headers=["case", "variables", "constraints", "HiGHS calls", "HiGHS s", "status", "objective"],

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autojigsaw
-from autojigsaw.api import Options, plan_captured, with_traffic
+from autojigsaw import Options
+from autojigsaw.api import plan_captured, with_traffic
 from autojigsaw.capture import capture
 from autojigsaw.ir import STRATEGIES
 from autojigsaw.kernels.collectives import count_comm
@@ -108,8 +109,8 @@ def attention_case(pick, mesh_shape, names, seq_len, dtype, causal, mask_kind, k
     for name, a, b in zip(("dq", "dk", "dv", "dmask"), mine, ref):
         if b.requires_grad:
             errors[name] = _err(a.grad, b.grad)
-    sources = {name for name, t in zip(pmodel._captured.inputs, mine) if t.requires_grad}
-    predicted = traffic_by_origin(pmodel._graph, pmodel._rank, sources, True)
+    sources = {name for name, t in zip(pmodel.program.captured.inputs, mine) if t.requires_grad}
+    predicted = traffic_by_origin(pmodel.program.graph, pmodel.program.rank, sources, True)
     node = next(n for n in plan.nodes if n.op == SDPA)
     return errors, log.total_bytes, sum(predicted.values()), node.kernel, dist.get_rank()
 

@@ -119,7 +119,7 @@ def train_side_by_side(make, inputs, mesh_shape, plan_json: str) -> dict:
     model = copy.deepcopy(ref)
     mesh = get_mesh(mesh_shape, plan.mesh.axis_names)
     pmodel = autojigsaw.parallelize(model, mesh, inputs, plan=plan, compile=False)
-    coord = pmodel._rank.coord
+    coord = pmodel.program.rank.coord
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pmodel, ref))
     diffs = dict.fromkeys(("output", "grad", "input_grad", "param"), 0.0)
     for step in range(2):
@@ -145,9 +145,9 @@ def train_side_by_side(make, inputs, mesh_shape, plan_json: str) -> dict:
             o.zero_grad()
     for p, q in zip(pmodel.parameters(), ref.parameters()):
         diffs["param"] = max(diffs["param"], _diff(p.full_tensor(), q))
-    params = set(pmodel._captured.params)
-    predicted = sum(traffic_by_origin(pmodel._graph, pmodel._rank, params, True).values())
-    kernels = sorted({getattr(n.target, "__name__", "") for n in pmodel._graph.graph.nodes
+    params = set(pmodel.program.captured.params)
+    predicted = sum(traffic_by_origin(pmodel.program.graph, pmodel.program.rank, params, True).values())
+    kernels = sorted({getattr(n.target, "__name__", "") for n in pmodel.program.graph.graph.nodes
                       if n.op == "call_function"})
     return {**diffs, "sent": log.total_bytes, "predicted": predicted, "kernels": kernels,
             "rank": dist.get_rank()}

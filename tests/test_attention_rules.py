@@ -125,7 +125,8 @@ def softmax_case(op, mesh_shape, names, shape, dim, dtype, pick):
     y_ref.masked_fill(y_ref.isinf(), 0).backward(g)
     errors = {"out": (y - y_ref).nan_to_num().abs().max().item(),
               "grad": (mine.grad - ref.grad).nan_to_num().abs().max().item()}
-    predicted = traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.inputs), True)
+    program = pmodel.program
+    predicted = traffic_by_origin(program.graph, program.rank, set(program.captured.inputs), True)
     node = next(n for n in plan.nodes if n.op == Softmax.OPS[op])
     same = torch.equal(y.isnan(), y_ref.isnan()) and y.dtype == y_ref.dtype
     return errors, same, log.total_bytes, sum(predicted.values()), node.kernel

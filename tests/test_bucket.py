@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autojigsaw
-from autojigsaw.api import capture_for, regime_of
+from autojigsaw.api import capture_for
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.kernels import bucketed
 from autojigsaw.kernels import collectives as C
@@ -69,7 +69,7 @@ def test_a_bucket_that_gathers_another_buckets_values_runs_after_it():
     whole = autojigsaw.plan(model, (x,), mesh, device="cpu")
     plan = dataclasses.replace(whole, nodes=tuple(dataclasses.replace(n, **edits.get(n.name, {}))
                                                   for n in whole.nodes))
-    captured = capture_for(model, (x,), {}, regime_of(mesh, "cpu", None, "none", None))
+    captured = capture_for(model, (x,), {}, autojigsaw.Options(device="cpu").regime(mesh))
     gm = rewrite(captured, plan, RankView.planning(mesh))  # lints the graph
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     (summed,) = (n for n in gm.graph.nodes if n.target is bucketed.bucket_grad_all_reduce)
@@ -81,7 +81,7 @@ def _collectives(name: str, plan_text: str) -> list:
     model, inputs = build(name)
     plan = autojigsaw.Plan.from_json(plan_text)
     mesh = MeshSpec.of(MESH)
-    captured = capture_for(model, inputs, {}, regime_of(mesh, "cpu", None, "none", None))
+    captured = capture_for(model, inputs, {}, autojigsaw.Options(device="cpu").regime(mesh))
     gm = rewrite(captured, plan, RankView.planning(mesh))
     return [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in _COLLECTIVES]
 

@@ -101,7 +101,8 @@ def _rotation_traffic(plan: str) -> tuple[int, int, float]:
         out.square().sum().backward()
     ref_out = ref(x)
     ref_out.square().sum().backward()
-    predicted = sum(traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.params), True).values())
+    program = pmodel.program
+    predicted = sum(traffic_by_origin(program.graph, program.rank, set(program.captured.params), True).values())
     err = max((out - ref_out).abs().max().item(), (pmodel.weight.grad.full_tensor() - ref.weight.grad).abs().max().item())
     return predicted, log.total_bytes, err
 

@@ -10,7 +10,7 @@ import logging
 import torch
 
 import autojigsaw
-import autojigsaw.api
+from autojigsaw.planner import solve
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .models import MLP
@@ -38,9 +38,7 @@ def _dynamic_run(name: str, budget: int) -> dict:
     """Parallelize with dynamic=True under `budget` bytes per rank, then train a step at every shape."""
     ref = _model(name)
     batches = _inputs(name)
-    plans = []
-    planned = autojigsaw.api.plan_captured
-    autojigsaw.api.plan_captured = lambda *a, **k: plans.append(1) or planned(*a, **k)
+    plans = []  # the solves of this rank: one per plan made (no recomputation)
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -49,7 +47,8 @@ def _dynamic_run(name: str, budget: int) -> dict:
     logger.addHandler(handler), logger.setLevel(logging.INFO)
     try:
         pmodel = autojigsaw.parallelize(copy.deepcopy(ref), get_mesh((2,), ("tensor",)), (batches[0],),
-                                        compile=False, memory_budget=budget, dynamic=True)
+                                        compile=False, memory_budget=budget, dynamic=True,
+                                        solver=lambda *a, **k: plans.append(1) or solve(*a, **k))
         start = [q.detach().clone() for q in ref.parameters()]
         opt, ref_opt = torch.optim.SGD(pmodel.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
         errors = []
@@ -65,13 +64,12 @@ def _dynamic_run(name: str, budget: int) -> dict:
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
     finally:
-        autojigsaw.api.plan_captured = planned
         logger.removeHandler(handler), logger.setLevel(level)
     moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), start))
     step = max((p.full_tensor() - q).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters())) / moved
-    return {"errors": errors, "step": step, "plans": len(plans), "programs": len(pmodel._programs),
+    return {"errors": errors, "step": step, "plans": len(plans), "programs": len(pmodel.programs),
             "reused": sum("run with the plan of" in r for r in records),
-            "decisions": len({p.plan.fingerprint() for p in pmodel._programs.values()}),
+            "decisions": len({p.plan.fingerprint() for p in pmodel.programs}),
             "sharded": sum(any(not pl.is_replicate() for pl in p.placements) for p in pmodel.parameters())}
 
 

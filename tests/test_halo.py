@@ -462,7 +462,8 @@ def batch_norm_steps(make, x, mesh_shape, plan_json: str) -> dict:
             (whole * ramp).sum().backward()
         (ref_out * ramp).sum().backward()
         if step == 0:
-            predicted = traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.params), True)
+            program = pmodel.program
+            predicted = traffic_by_origin(program.graph, program.rank, set(program.captured.params), True)
             traffic = {"counted": forward.total_bytes + rest.total_bytes, "predicted": sum(predicted.values()),
                        "forward all-reduces": forward.count("all_reduce")}
         for p, q in zip(pmodel.parameters(), ref.parameters()):

@@ -222,7 +222,7 @@ def _side_by_side(make, hand_cls, x, plan_json: str):
                     for n, p in hand.named_parameters())
     auto_grad = max((p.grad.full_tensor() - ref_grads[n].grad).abs().max().item()
                     for n, p in auto.named_parameters())
-    kernels = {getattr(n.target, "__name__", "") for n in auto._graph.graph.nodes}
+    kernels = {getattr(n.target, "__name__", "") for n in auto.program.graph.graph.nodes}
     return {"hand": ((y_hand - y_want).abs().max().item(), hand_grad, sum(_SENT)),
             "auto": ((y_auto - y_want).abs().max().item(), auto_grad, log.total_bytes),
             "fused": "summa_linear" in kernels}

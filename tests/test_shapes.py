@@ -44,7 +44,7 @@ def _shapes_run() -> dict:
         opt.zero_grad(), ref_opt.zero_grad()
     step = max((p.full_tensor() - q).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
     return {"errors": errors, "step": step, "same_params": params == [id(p) for p in pmodel.parameters()],
-            "programs": len(pmodel._programs), "replans": sum("planning again" in r for r in records),
+            "programs": len(pmodel.programs), "replans": sum("planning again" in r for r in records),
             "sharded": sum(any(not pl.is_replicate() for pl in p.placements) for p in pmodel.parameters())}
 
 
@@ -85,7 +85,7 @@ def _values_run(dynamic: bool) -> list[float]:
         grad = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
         errors.append(max((out - ref_out).abs().max().item(), grad))
         pmodel.zero_grad(), ref.zero_grad()
-    return errors + [len(pmodel._programs)]
+    return errors + [len(pmodel.programs)]
 
 
 def test_a_new_value_of_a_float_or_bool_argument_gets_its_own_program(ranks2):
@@ -137,7 +137,7 @@ def _attributes_run() -> dict:
         opt.zero_grad(), ref_opt.zero_grad()
         errors[what] = max((out - ref_out).abs().max().item(), grad)
     step = max((p.full_tensor() - q).abs().max().item() for p, q in zip(pmodel.parameters(), ref.parameters()))
-    return {"errors": errors, "step": step, "temperature": pmodel.temperature, "programs": len(pmodel._programs)}
+    return {"errors": errors, "step": step, "temperature": pmodel.temperature, "programs": len(pmodel.programs)}
 
 
 def test_attributes_and_hooks_changed_after_parallelize_take_effect(ranks2):

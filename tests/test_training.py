@@ -72,7 +72,7 @@ def _traffic(plan: str, dtype: torch.dtype) -> tuple[int, dict[str, int]]:
     for kind, _, nbytes in log.calls:
         by_kind[kind] = by_kind.get(kind, 0) + nbytes
     # The prediction for this graph (the plan's own was made for its dtype): read off its collectives.
-    predicted = traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.params), True)
+    predicted = traffic_by_origin(pmodel.program.graph, pmodel.program.rank, set(pmodel.program.captured.params), True)
     return sum(predicted.values()), by_kind
 
 
@@ -136,7 +136,7 @@ def _train_eval_and_frozen_batchnorm(plan: str) -> dict:
     for m in (pmodel, ref):
         m.train()
     step("train again", 4, backward=True)
-    diffs["programs"] = len(pmodel._programs)
+    diffs["programs"] = len(pmodel.programs)
     return diffs
 
 

@@ -22,6 +22,7 @@ from autojigsaw import Plan
 from autojigsaw.cost_model.devices import device_spec
 from autojigsaw.cost_model.liveness import ParamMemory
 from autojigsaw.cost_model.memory import saved_for_backward
+from autojigsaw.planner import solve
 from autojigsaw.planner.milp import SolverTimeout
 from autojigsaw.rewrite.recompute import Checkpointed
 from autojigsaw.testing.local_ranks import get_mesh
@@ -151,47 +152,43 @@ def test_auto_recomputes_only_when_the_budget_asks():
     assert {policy for _, policy in tight.recompute} == {"full"}
 
 
-def test_once_no_recomputation_fits_the_other_variants_are_searched_only_for_a_faster_plan(monkeypatch):
+def test_once_no_recomputation_fits_the_other_variants_are_searched_only_for_a_faster_plan():
     """'auto' solves each recomputed variant with beat= the time of the plan without recomputation:
     here each has a plan of its own, slower, and is ruled out; the plan is the one without."""
-    real, calls = autojigsaw.api.solve, []
+    calls = []
 
     def recorded(problem, budget, **kw):
-        calls.append((problem, budget, kw.get("beat"), real(problem, budget, **kw)))
+        calls.append((problem, budget, kw.get("beat"), solve(problem, budget, **kw)))
         return calls[-1][-1]
 
-    monkeypatch.setattr(autojigsaw.api, "solve", recorded)
-    plan = _plan("auto")
+    plan = _plan("auto", solver=recorded)
     (_, _, no_beat, none), *variants = calls
     assert no_beat is None and none is not None and len(variants) == 2
     for problem, budget, beat, solution in variants:
         assert beat == none.objective and solution is None
-        assert real(problem, budget).objective > beat
-    monkeypatch.undo()
+        assert solve(problem, budget).objective > beat
     assert plan.recompute == () and plan.fingerprint() == _plan("none").fingerprint()
 
 
-def test_a_recomputation_variant_out_of_time_keeps_the_others_plans(monkeypatch):
+def test_a_recomputation_variant_out_of_time_keeps_the_others_plans():
     """'auto' solves several variants; one that hits the time limit warns and counts as not
     fitting, instead of failing the plan. If every variant runs out, the time limit is the error."""
-    real, calls, none = autojigsaw.api.solve, [], _plan("none")
+    calls, none = [], _plan("none")
 
     def slow_after(n: int):
-        def solve(problem, budget, **kw):
+        def slow(problem, budget, **kw):
             calls.append(problem)
             if len(calls) > n:
                 raise SolverTimeout("the planner found no plan within its time limit of 1 s")
-            return real(problem, budget, **kw)
-        return solve
+            return solve(problem, budget, **kw)
+        return slow
 
-    monkeypatch.setattr(autojigsaw.api, "solve", slow_after(1))
     with pytest.warns(UserWarning, match=r"ran out of time on 2 layers selective, 2 layers full"):
-        plan = _plan("auto")
+        plan = _plan("auto", solver=slow_after(1))
     assert plan.recompute == () and plan.fingerprint() == none.fingerprint()
     calls.clear()
-    monkeypatch.setattr(autojigsaw.api, "solve", slow_after(0))
     with pytest.raises(SolverTimeout, match="time limit"):
-        _plan("auto")
+        _plan("auto", solver=slow_after(0))
 
 
 def test_a_product_with_a_constant_saves_only_the_constant():

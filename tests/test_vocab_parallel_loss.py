@@ -195,8 +195,8 @@ def _train(name: str, shape: tuple, axes: tuple, plan: str) -> dict:
         out["param"] = max(out["param"], dp.max().item())
         out["step_excess"] = max(out["step_excess"], (dp - a).max().item())
     out["measured"] = log.total_bytes
-    out["predicted"] = sum(traffic_by_origin(pmodel._graph, pmodel._rank, set(pmodel._captured.params),
-                                             True).values())
+    program = pmodel.program
+    out["predicted"] = sum(traffic_by_origin(program.graph, program.rank, set(program.captured.params), True).values())
     return out
 
 

@@ -72,24 +72,24 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
         auto = tuple(pytree.tree_map(every_dim_auto, value) for value in arguments.values())
     ep, checkpoints = export(model, args, kwargs, param_dtype, dynamic_shapes=auto)
     sig = ep.graph_signature
-    written = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.USER_INPUT_MUTATION]
+    written = [o.target for o in sig.output_specs if o.kind == OutputKind.USER_INPUT_MUTATION]
     if written:
         raise ValueError(f"{type(model).__name__} writes in place into its input(s) {written}: autojigsaw does not "
                          "write results back into inputs; use an out-of-place op (x = x * 2, not x.mul_(2))")
     params, buffers, constants, inputs = {}, {}, {}, []
-    for spec in sig.input_specs:
-        name = spec.arg.name
-        if spec.kind == InputKind.PARAMETER:
-            params[name] = spec.target
-        elif spec.kind == InputKind.BUFFER:
-            buffers[name] = spec.target
-        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            buffers[name] = spec.target
-            constants[name] = ep.constants[spec.target]
-        elif spec.kind == InputKind.USER_INPUT:
+    for input_spec in sig.input_specs:
+        name = input_spec.arg.name
+        if input_spec.kind == InputKind.PARAMETER:
+            params[name] = input_spec.target
+        elif input_spec.kind == InputKind.BUFFER:
+            buffers[name] = input_spec.target
+        elif input_spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            buffers[name] = input_spec.target
+            constants[name] = ep.constants[input_spec.target]
+        elif input_spec.kind == InputKind.USER_INPUT:
             inputs.append(name)
         else:
-            raise ValueError(f"unsupported exported input kind {spec.kind} for {name}")
+            raise ValueError(f"unsupported exported input kind {input_spec.kind} for {name}")
     gm = ep.graph_module
     check_operand_dtypes(gm, params)
     check_complex_scatter(gm, params)
@@ -100,7 +100,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-    mutated = [spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION]
+    mutated = [o.target for o in sig.output_specs if o.kind == OutputKind.BUFFER_MUTATION]
     frozen = frozenset(ph for ph, fqn in params.items() if not model.get_parameter(fqn).requires_grad)
     captured = Captured(gm, params, buffers, constants, inputs, ep.call_spec.in_spec, ep.call_spec.out_spec, mutated,
                         frozen_params=frozen)

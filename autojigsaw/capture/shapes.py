@@ -39,8 +39,8 @@ class ShapeRange:
     def admits(self, args: tuple, kwargs: dict) -> bool:
         """Whether inputs like these fit: same structure and dtypes, fixed sizes equal, each symbol
         one size everywhere and within its range."""
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if str(spec) != self.structure or len(flat) != len(self.dims):
+        flat, tree_spec = pytree.tree_flatten((args, kwargs))
+        if str(tree_spec) != self.structure or len(flat) != len(self.dims):
             return False
         if constant_keys(flat) != self.constants:
             return False
@@ -71,10 +71,10 @@ class ShapeRange:
 
 def shape_range(input_values: list, args: tuple, kwargs: dict, ranges) -> ShapeRange:
     """The input sizes of a graph exported with `Dim.AUTO`: fixed, or a symbol and its range."""
-    flat, spec = pytree.tree_flatten((tuple(args), kwargs))
+    flat, tree_spec = pytree.tree_flatten((tuple(args), kwargs))
     dims = tuple(tuple(_size(n, ranges) for n in val.shape) if isinstance(val, torch.Tensor) else None
                  for val in input_values)
-    return ShapeRange(str(spec), dims, tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in flat),
+    return ShapeRange(str(tree_spec), dims, tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in flat),
                       constant_keys(flat))
 
 

@@ -34,20 +34,20 @@ def calibrate(mesh, *, base: str | DeviceSpec | None = None, max_bytes: int = 4 
     spec on CUDA. Messages grow by 4x from 1 KiB to `max_bytes` (bytes) while one takes less than
     `time_limit_s` (seconds) / 20; each is timed `repeats` times. Returns a DeviceSpec for `device=`.
 
-        spec = autojigsaw.calibrate(mesh)  # on every rank
-        pmodel = autojigsaw.parallelize(model, mesh, (x,), device=spec)
+        measured = autojigsaw.calibrate(mesh)  # on every rank
+        pmodel = autojigsaw.parallelize(model, mesh, (x,), device=measured)
     """
     if not dist.is_initialized() or not hasattr(mesh, "get_group"):
         raise ValueError("calibrate needs a live process group and a DeviceMesh with named axes: call "
                          "torch.distributed.init_process_group, then init_device_mesh(..., mesh_dim_names=...)")
-    spec = MeshSpec.of(mesh)
+    mesh_spec = MeshSpec.of(mesh)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
         else torch.device(mesh.device_type)
     base_spec = device_spec(base if base is not None else _default_base(device))
     deadline = time.perf_counter() + time_limit_s
     links = []
-    for a, name in enumerate(spec.axis_names):
-        if spec.sizes[a] > 1:
+    for a, name in enumerate(mesh_spec.axis_names):
+        if mesh_spec.sizes[a] > 1:
             links.append((name, _fit_link(mesh.get_group(name), device, max_bytes, repeats, deadline,
                                           f"{dist.get_backend()} {name}")))
     dtypes = (torch.float32, torch.float64, torch.bfloat16)

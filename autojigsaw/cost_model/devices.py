@@ -90,8 +90,8 @@ class DeviceSpec:
     slower compute runs while a collective overlaps it (they share the device; 0.189 on GPUs,
     measured), charged on the FSDP traffic a step hides.
 
-        spec = dataclasses.replace(autojigsaw.calibrate(mesh), memory_bytes=40 * 2**30)  # an autojigsaw.DeviceSpec
-        plan = autojigsaw.plan(model, (x,), {"tensor": 8}, device=spec)
+        device = dataclasses.replace(autojigsaw.calibrate(mesh), memory_bytes=40 * 2**30)  # an autojigsaw.DeviceSpec
+        plan = autojigsaw.plan(model, (x,), {"tensor": 8}, device=device)
     """
 
     name: str

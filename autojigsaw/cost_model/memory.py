@@ -15,6 +15,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 import torch
 from torch.fx import Node
@@ -37,6 +38,7 @@ class Optimizer:
             raise ValueError(f"optimizer {self.name!r}: states and temporaries are counts >= 0")
 
 
+OptimizerName = Literal["adam", "adamw", "sgd", "momentum", "adagrad", "rmsprop"]  # the names OPTIMIZERS knows
 OPTIMIZERS = {o.name: o for o in (
     Optimizer("adam", 2, 2), Optimizer("adamw", 2, 2), Optimizer("sgd", 0, 0),
     Optimizer("momentum", 1, 0), Optimizer("adagrad", 1, 1), Optimizer("rmsprop", 1, 1),

@@ -120,8 +120,8 @@ def _unpack(buf, shape_a, shape_b):
     return buf[:na].view(shape_a), buf[na:].view(shape_b)
 
 
-def _ring_forward(q, k, v, mask, spec):
-    layout, scale, causal, axis = spec
+def _ring_forward(q, k, v, mask, ring):
+    layout, scale, causal, axis = ring
     n, coord = len(layout), axis.coord
     b, h, sq, d = q.shape
     hkv, dv, acc = k.shape[1], v.shape[-1], acc_dtype(q.dtype)
@@ -159,8 +159,8 @@ def _add_mask_grad(dmask, ds, p: _Pair):
     dmask.narrow(-2, p.q_off, p.q_len).narrow(-1, p.k_start, p.k_len).add_(ds)
 
 
-def _ring_backward(dout, q, k, v, out, lse, mask, spec, mask_grad: bool):
-    layout, scale, causal, axis = spec
+def _ring_backward(dout, q, k, v, out, lse, mask, ring, mask_grad: bool):
+    layout, scale, causal, axis = ring
     n, coord = len(layout), axis.coord
     b, h, sq, d = q.shape
     hkv, dv, acc = k.shape[1], v.shape[-1], acc_dtype(q.dtype)
@@ -207,9 +207,9 @@ def _ring_backward(dout, q, k, v, out, lse, mask, spec, mask_grad: bool):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, spec):
-        out, lse = _ring_forward(q, k, v, mask, spec)
-        ctx.spec = spec
+    def forward(ctx, q, k, v, mask, ring):
+        out, lse = _ring_forward(q, k, v, mask, ring)
+        ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse, mask)
         return out
 
@@ -217,7 +217,7 @@ class _RingAttention(torch.autograd.Function):
     @differentiable_once
     def backward(ctx, dout):
         q, k, v, out, lse, mask = ctx.saved_tensors
-        grads = _ring_backward(dout, q, k, v, out, lse, mask, ctx.spec, ctx.needs_input_grad[3])
+        grads = _ring_backward(dout, q, k, v, out, lse, mask, ctx.ring, ctx.needs_input_grad[3])
         return *grads, None
 
 

@@ -23,8 +23,8 @@ from . import random
 class Kernel:
     """A kernel a strategy (or the fuse pass) names: how to call it, what it sends, what it costs.
 
-    build: `(node, strategy, rank, local_inputs) -> (callable, args, kwargs)`, the call that
-      replaces a captured node; None for kernels only the fuse pass inserts.
+    build: `(node, sharding, rank, local_inputs) -> (callable, args, kwargs)`, the call that
+      replaces a captured node as its NodeSharding says; None for kernels only the fuse pass inserts.
     traffic: `(node, rank, backward) -> [(collective, bytes)]` of a rewritten node, `backward` the
       inputs whose gradient is needed (empty: no backward pass); None: it sends nothing itself.
     cost: `(node, strategy, ctx, grad) -> (seconds, saved bytes)` replacing the default estimate
@@ -56,13 +56,23 @@ def local_cost(op, fn: Callable) -> None:
     _LOCAL_COSTS[op] = fn
 
 
-def kernel_call(name: str, node: Node, spec, rank, local_inputs):
-    """(callable, args, kwargs) of kernel `name` for `node` under strategy `spec`."""
+def registered_kernels() -> dict[str, Kernel]:
+    """Every registered kernel by its name (a copy)."""
+    return dict(_KERNELS)
+
+
+def registered_local_costs() -> dict[object, Callable]:
+    """The cost of each op's "local" strategies, where registered, by op (a copy)."""
+    return dict(_LOCAL_COSTS)
+
+
+def kernel_call(name: str, node: Node, sharding, rank, local_inputs):
+    """(callable, args, kwargs) of kernel `name` for `node` as `sharding` (its NodeSharding) runs it."""
     kernel = _KERNELS.get(name)
     if kernel is None or kernel.build is None:
         raise ValueError(f"node {node.name!r}: the plan names kernel {name!r}, which does not exist; "
                          f"known kernels: {sorted(k.name for k in _KERNELS.values() if k.build)}")
-    return kernel.build(node, spec, rank, local_inputs)
+    return kernel.build(node, sharding, rank, local_inputs)
 
 
 def kernel_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str, int]]:
@@ -81,9 +91,9 @@ def kernel_cost(node: Node, strategy, ctx, grad: bool, operand_grads: tuple[bool
     return kernel.cost(node, strategy, ctx, grad) if kernel is not None and kernel.cost else None
 
 
-def _dropout(node, spec, rank, local_inputs):
+def _dropout(node, sharding, rank, local_inputs):
     x = node.args[0].meta["val"]
-    offset = local_offset(x.shape, spec.inputs[0], rank.mesh.sizes, rank.coord)
+    offset = local_offset(x.shape, sharding.inputs[0], rank.mesh.sizes, rank.coord)
     p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
     stride = node.meta.get(EAGER_STRIDES, (x.stride(),))[0]
     return random.dropout, (local_inputs[0], p, train), {"shape": tuple(x.shape), "stride": stride, "offset": offset}
@@ -92,9 +102,9 @@ def _dropout(node, spec, rank, local_inputs):
 add(Kernel("dropout", _dropout))
 
 
-def _draw(node, spec, rank, local_inputs):
+def _draw(node, sharding, rank, local_inputs):
     out = node.meta["val"]
-    offset = local_offset(out.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    offset = local_offset(out.shape, sharding.outputs[0], rank.mesh.sizes, rank.coord)
     args, kwargs = with_local_tensors(node.args, node.kwargs, local_inputs)
     strides = node.meta.get(EAGER_STRIDES) or tuple(tuple(src.meta["val"].stride()) for src, _ in tensor_inputs(node))
     return random.draw, (node.target, args, kwargs), {"shape": tuple(out.shape), "offset": offset,

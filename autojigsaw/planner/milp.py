@@ -29,7 +29,7 @@ from ..cost_model.liveness import MaxItem, PairItem
 from . import highs
 from .problem import Problem
 
-_SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
+OBJECTIVE_SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
 _FIRST_WINDOW = 3e-3  # reduced costs kept in the first branching, relative to the LP bound
 CUTS_PER_ROUND = 8  # memory rows added per plan that does not fit
 ROWS_UP_FRONT = 128  # at most this many points that can be a peak: each gets its row before the first solve
@@ -55,8 +55,8 @@ class SolverTimeout(ValueError):
     """The solver's time limit came before it found any plan that fits."""
 
 
-class _Model:
-    """Sparse rows, bounds and integrality of one growing MILP."""
+class Milp:
+    """Sparse rows, bounds and integrality of one growing MILP; `optimize` finds its optimum."""
 
     def __init__(self, n_x: int, cutoff: float = np.inf):
         self.n = n_x
@@ -73,7 +73,7 @@ class _Model:
         self.gap = 0.0
         self.proven = False  # the last solve's plan is optimal (the LP relaxation was integral, or branching proved it)
         # what a solve found, for the next one on the same rows (the proof after a quick plan that fits):
-        # the model only grows, so (variables, rows) names it
+        # the program only grows, so (variables, rows) names it
         self._relaxed: tuple | None = None
         self._branched: dict[bytes, tuple | None] = {}
         self._accepted_early: np.ndarray | None = None  # the plan a quick round took at once: the proof polishes it
@@ -101,22 +101,19 @@ class _Model:
                             shape=(len(self.lo), self.n)).tocsc()
         return np.concatenate(self.cost), matrix, np.array(self.lo), np.array(self.hi), np.concatenate(self.upper)
 
-    def solve(self, n_int: int, time_limit: float, prove: bool = True,
-              fits: Callable[[np.ndarray], bool] = lambda x: True, start: np.ndarray | None = None
-              ) -> np.ndarray | None:
+    def optimize(self, n_int: int, time_limit: float, prove: bool = True,
+                 fits: Callable[[np.ndarray], bool] = lambda x: True, start: np.ndarray | None = None
+                 ) -> np.ndarray | None:
         """The optimum, from the LP relaxation when that is integral (it usually is), else by branching;
         with `prove` False, the first improving plan that fits near the bound, else the narrowest window's
         best plan (not proven optimal);
         a window's plan that does not `fit` is returned at once, for the rows it lacks. `start`: a plan
-        that fits, an earlier solution (of this model before its last rows: variables are only
+        that fits, an earlier solution (of this program before its last rows: variables are only
         appended), which every branching starts from and keeps in its window."""
         deadline = time.perf_counter() + time_limit
         self.proven = False
-        cost, matrix, lo, hi, upper = self.arrays()
-        shape = (self.n, len(self.lo))
-        if self._relaxed is None or self._relaxed[0] != shape:
-            self._relaxed, self._branched = (shape, highs.solve_lp(cost, matrix, lo, hi, upper, time_limit)), {}
-        relaxed = self._relaxed[1]
+        program = self.arrays()
+        relaxed = self._relaxation(program, time_limit)
         slack = 1e-7 * abs(relaxed.objective) + 1e-6  # HiGHS' tolerances, in the objective's units
         if not relaxed.timed_out:
             if relaxed.x is None or relaxed.objective >= self.cutoff - slack:
@@ -124,13 +121,27 @@ class _Model:
             if _integral(relaxed.x[:n_int]):
                 self.proven = True
                 return relaxed.x
+        if relaxed.timed_out:  # the deadline came in the LP: branch on the whole program for what time is left
+            best = self._branch(*program, np.ones(self.n, dtype=bool), deadline, start)
+            self.proven = best is not None and not self.gap
+            return None if best is None else best[0]
+        return self._in_windows(program, relaxed, slack, deadline, prove, fits, start)
+
+    def _relaxation(self, program: tuple, time_limit: float):
+        """The LP relaxation of `program` (this one's arrays), solved once per shape: (variables, rows)."""
+        shape = (self.n, len(self.lo))
+        if self._relaxed is None or self._relaxed[0] != shape:
+            self._relaxed, self._branched = (shape, highs.solve_lp(*program, time_limit)), {}
+        return self._relaxed[1]
+
+    def _in_windows(self, program: tuple, relaxed, slack: float, deadline: float, prove: bool,
+                    fits: Callable[[np.ndarray], bool], start: np.ndarray | None) -> np.ndarray | None:
+        """`optimize` past a fractional LP: branch on the columns whose reduced cost lies within a window
+        above the LP bound, the window widening until the best plan found lies within it."""
+        cost, matrix, lo, hi, upper = program
         inside = np.zeros(self.n, dtype=bool)  # the start's strategies and pair terms
         if start is not None:
             inside[:len(start)] = start > 1e-9
-        if relaxed.timed_out:  # the deadline came in the LP: branch on the whole program for what time is left
-            best = self._branch(cost, matrix, lo, hi, upper, np.ones(self.n, dtype=bool), deadline, start)
-            self.proven = best is not None and not self.gap
-            return None if best is None else best[0]
         bound, reduced = relaxed.objective, cost - matrix.T @ relaxed.duals
         fixable = np.concatenate(self.zero_one)
         # a column whose reduced cost reaches past the cutoff is in no plan below it: no window need be wider
@@ -220,8 +231,13 @@ def _propagated(zero_rows, keep: np.ndarray) -> np.ndarray:
         keep = keep & ~forced
 
 
-class _Builder:
-    """The MILP of a Problem: x per group, y per edge block, memory rows on demand."""
+class MilpBuilder:
+    """The MILP of a Problem (`milp`): x per group, y per edge block, memory rows on demand.
+
+        builder = MilpBuilder(problem, budget)
+        builder.add_memory_row(point)
+        cost, matrix, row_lo, row_hi, col_upper = builder.milp.arrays()
+    """
 
     def __init__(self, problem: Problem, budget: float | None, beat: float | None = None):
         self.p = problem
@@ -230,7 +246,7 @@ class _Builder:
         self.rep = reps  # the first node of every group
         self.sizes = np.array([len(problem.strategies[r]) for r in reps])
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
-        self.model = _Model(int(self.offsets[-1]), np.inf if beat is None else beat * _SCALE)
+        self.milp = Milp(int(self.offsets[-1]), np.inf if beat is None else beat * OBJECTIVE_SCALE)
         self.z: dict[int, int] = {}
         self.w: dict[tuple, tuple[int, np.ndarray]] = {}
         self._assignment()
@@ -243,7 +259,7 @@ class _Builder:
 
     def _assignment(self) -> None:
         g = np.repeat(np.arange(len(self.sizes)), self.sizes)
-        self.model.add_rows(g, np.arange(len(g)), np.ones(len(g)), 1.0, 1.0)
+        self.milp.add_rows(g, np.arange(len(g)), np.ones(len(g)), 1.0, 1.0)
 
     def _memory_levels(self) -> None:
         """Per group whose strategies differ in memory, an integer = its strategy's rank by bytes held."""
@@ -257,29 +273,29 @@ class _Builder:
         for g in range(len(self.sizes)):
             levels, rank = np.unique(np.round(held[self.offsets[g]:self.offsets[g + 1]]), return_inverse=True)
             if len(levels) > 1:
-                k = self.model.add_vars(np.zeros(1), upper=len(levels) - 1, integer=True)
+                k = self.milp.add_vars(np.zeros(1), upper=len(levels) - 1, integer=True)
                 cols = np.concatenate([[k], self.offsets[g] + np.arange(self.sizes[g])])
                 vals = np.concatenate([[1.0], -rank.ravel()])
-                self.model.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, 0.0, 0.0)
+                self.milp.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, 0.0, 0.0)
 
     def _objective(self) -> None:
-        p, cost = self.p, self.model.cost[0]
+        p, cost = self.p, self.milp.cost[0]
         for n, t in enumerate(p.time):
-            cost[self.x(n):self.x(n) + len(t)] += t * _SCALE
+            cost[self.x(n):self.x(n) + len(t)] += t * OBJECTIVE_SCALE
         pairs: dict[tuple[int, int], np.ndarray] = {}
         for e in p.edges:
             gs, gd = int(p.group[e.src]), int(p.group[e.dst])
             if gs == gd:  # tied ends take the same strategy index
-                cost[self.x(e.src):self.x(e.src) + self.sizes[gs]] += np.diag(e.costs.time) * _SCALE
+                cost[self.x(e.src):self.x(e.src) + self.sizes[gs]] += np.diag(e.costs.time) * OBJECTIVE_SCALE
             elif (gs, gd) in pairs:
                 pairs[(gs, gd)] = pairs[(gs, gd)] + e.costs.time
             else:
                 pairs[(gs, gd)] = e.costs.time
         for (gs, gd), matrix in pairs.items():
-            self._pair(gs, gd, matrix * _SCALE)
+            self._pair(gs, gd, matrix * OBJECTIVE_SCALE)
 
     def _pair(self, gs: int, gd: int, matrix: np.ndarray) -> None:
-        cost, xs, xd = self.model.cost[0], self.offsets[gs], self.offsets[gd]
+        cost, xs, xd = self.milp.cost[0], self.offsets[gs], self.offsets[gd]
         row_keys, row_of = np.unique(matrix, axis=0, return_inverse=True)
         col_keys, col_of = np.unique(matrix.T, axis=0, return_inverse=True)
         row_of, col_of = row_of.ravel(), col_of.ravel()
@@ -292,7 +308,7 @@ class _Builder:
         first_col = np.array([np.flatnonzero(col_of == q)[0] for q in range(len(col_keys))])
         block = row_keys[:, first_col]
         n_p, n_q = block.shape
-        y0 = self.model.add_vars(block.ravel(), zero_one=True)
+        y0 = self.milp.add_vars(block.ravel(), zero_one=True)
         y = y0 + np.arange(n_p * n_q)
         # sum_q y[p, q] - sum_{s in class p} x[s] = 0, then the same over columns
         rows = np.concatenate([np.repeat(np.arange(n_p), n_q), row_of,
@@ -300,7 +316,7 @@ class _Builder:
         cols = np.concatenate([y, xs + np.arange(len(row_of)), y, xd + np.arange(len(col_of))])
         vals = np.concatenate([np.ones(n_p * n_q), -np.ones(len(row_of)), np.ones(n_p * n_q),
                                -np.ones(len(col_of))])
-        self.model.add_rows(rows, cols, vals, 0.0, 0.0)
+        self.milp.add_rows(rows, cols, vals, 0.0, 0.0)
 
     # ------------------------------------------------------------ memory rows
 
@@ -325,17 +341,17 @@ class _Builder:
         nz = np.flatnonzero(coef)
         cols = np.concatenate([nz, np.array(extra_cols, dtype=np.int64)])
         vals = np.concatenate([coef[nz], np.array(extra_vals, dtype=float)]) / self.budget
-        self.model.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, -np.inf, 1.0)
+        self.milp.add_rows(np.zeros(len(cols), dtype=np.int64), cols, vals, -np.inf, 1.0)
 
     def _z(self, k: int, item: MaxItem) -> int:
         """A variable >= each member's bytes (in budgets, as every memory row): the storage
         several readers save, counted once."""
         if k not in self.z:
-            z = self.model.add_vars(np.zeros(1), upper=np.inf)
+            z = self.milp.add_vars(np.zeros(1), upper=np.inf)
             members = {(int(self.p.group[n]), v, s) for n, v, s in item.members}
             for g, v, s in sorted(members):
                 x = self.offsets[g] + np.arange(self.sizes[g])
-                self.model.add_rows(np.zeros(len(x) + 1, dtype=np.int64), np.concatenate([[z], x]),
+                self.milp.add_rows(np.zeros(len(x) + 1, dtype=np.int64), np.concatenate([[z], x]),
                                     np.concatenate([[1.0], -s * self.p.memory.vectors[v] / self.budget]), 0.0, np.inf)
             self.z[k] = z
         return self.z[k]
@@ -364,7 +380,7 @@ class _Builder:
             mem = self.p.memory
             src_ids, dst_ids = mem.vectors[item.src_ids], mem.vectors[item.dst_ids]
             common = np.intersect1d(src_ids, dst_ids)
-            w0 = self.model.add_vars(np.zeros(len(common)))
+            w0 = self.milp.add_vars(np.zeros(len(common)))
             rows, cols, vals = [], [], []
             for k, pid in enumerate(common):
                 for side, (g, ids) in enumerate(((gs, src_ids), (gd, dst_ids))):
@@ -374,15 +390,17 @@ class _Builder:
                     cols += [w0 + k] + list(members)
                     vals += [1.0] + [-1.0] * len(members)
             if rows:
-                self.model.add_rows(rows, cols, vals, -np.inf, 0.0)
+                self.milp.add_rows(rows, cols, vals, -np.inf, 0.0)
             self.w[key] = (w0, common)
         return self.w[key]
 
-    def run(self, time_limit: float, prove: bool, fits: Callable[[np.ndarray], bool],
-            start: np.ndarray | None):
-        return self.model.solve(int(self.offsets[-1]), time_limit, prove, fits, start)
+    def optimize(self, time_limit: float, prove: bool, fits: Callable[[np.ndarray], bool],
+                 start: np.ndarray | None) -> np.ndarray | None:
+        """Milp.optimize on the program as it stands (its columns, None where no plan is found)."""
+        return self.milp.optimize(int(self.offsets[-1]), time_limit, prove, fits, start)
 
     def group_choice(self, x: np.ndarray) -> np.ndarray:
+        """The strategy index per group that the columns `x` pick."""
         return np.array([int(np.argmax(x[self.offsets[g]:self.offsets[g + 1]])) for g in range(len(self.sizes))])
 
 
@@ -396,21 +414,19 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
     prunes at it, so a variant that cannot win is ruled out without being solved.
     """
     start = time.perf_counter()
-    builder = _Builder(problem, budget, beat)
+    builder = MilpBuilder(problem, budget, beat)
     candidates = problem.memory.peak_candidates()
     every_row = budget is not None and len(candidates) <= ROWS_UP_FRONT  # then every plan fits: prove at once
     cuts: list[int] = []
     if budget is not None:
-        for point in [int(c) for c in candidates] if every_row else known_cuts:
-            builder.add_memory_row(point)
-            cuts.append(point)
+        _add_memory_rows(builder, [int(c) for c in candidates] if every_row else known_cuts, cuts)
     solves, prove = 0, budget is None or every_row
     best: tuple[float, np.ndarray] | None = None  # the fastest plan found that fits: every solve starts from it
     while True:
         # the memory rows a plan needs are found on quick plans; only the last solve proves optimality
-        x = builder.run(max(time_limit - (time.perf_counter() - start), 1.0), prove,
-                        lambda x: _fits(problem.memory.peak(problem.expand(builder.group_choice(x)))[0], budget),
-                        None if best is None else best[1])
+        x = builder.optimize(max(time_limit - (time.perf_counter() - start), 1.0), prove,
+                             lambda x: _fits(problem.memory.peak(problem.expand(builder.group_choice(x)))[0], budget),
+                             None if best is None else best[1])
         solves += 1
         if x is None:
             return None
@@ -421,21 +437,30 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
         fits = _fits(peak, budget)
         if fits and (best is None or problem.objective(choice) < best[0]):
             best = (problem.objective(choice), x)
-        if fits and not prove and not builder.model.proven:
+        if fits and not prove and not builder.milp.proven:
             prove = True
             continue
         if fits:
-            if builder.model.gap:
-                warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
-                              f"{builder.model.gap:.1%} of the optimum (a tight memory_budget makes the search "
-                              "hard)", stacklevel=2)
+            _warn_if_cut_short(builder.milp.gap, time_limit)
             return Solution(choice, problem.objective(choice), peak, point, tuple(cuts), solves,
-                            time.perf_counter() - start, builder.model.gap)
+                            time.perf_counter() - start, builder.milp.gap)
         assert point not in cuts, f"the memory row of point {point} is not exact"
-        for point in _worst_points(profile, candidates, cuts, budget):
-            builder.add_memory_row(point)
-            cuts.append(point)
+        _add_memory_rows(builder, _worst_points(profile, candidates, cuts, budget), cuts)
         prove = False
+
+
+def _add_memory_rows(builder: MilpBuilder, points, cuts: list[int]) -> None:
+    """The memory row of each of `points`, each noted in `cuts`."""
+    for point in points:
+        builder.add_memory_row(point)
+        cuts.append(point)
+
+
+def _warn_if_cut_short(gap: float, time_limit: float) -> None:
+    """A warning, at solve's caller, that the time limit stopped the search `gap` short of the optimum."""
+    if gap:
+        warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
+                      f"{gap:.1%} of the optimum (a tight memory_budget makes the search hard)", stacklevel=3)
 
 
 def _fits(peak, budget: float | None):

@@ -13,7 +13,8 @@ import numpy as np
 from torch.fx import GraphModule, Node
 
 from ..cost_model.estimate import CostContext, EdgeCosts, consumer_partial_axes, edge_costs, node_costs
-from ..cost_model.liveness import MemoryModel, build_memory
+from ..cost_model.liveness import MemoryModel
+from ..cost_model.step_memory import build_memory
 from ..ir import STRATEGIES, Strategy, output_values, tensor_inputs
 from ..modules import fsdp_shards
 from .layers import tie_groups

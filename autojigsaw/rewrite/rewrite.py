@@ -22,7 +22,7 @@ from ..kernels import collectives, registry
 from ..mesh import RankView
 from ..modules import fsdp_shards, layer_units
 from ..placements import Placements
-from ..plan import Plan
+from ..plan import NodeSharding, Plan
 from ..strategies.dtensor_rules import local_call
 from ..training import data_axes
 from .bucket import bucket_collectives
@@ -56,16 +56,16 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
     env: dict[Node, Node] = {}
     moved: dict[tuple, Node] = {}  # (producer, output index, placements) -> moved value
     for node in captured.gm.graph.nodes:
-        spec = by_name.get(node.name)
+        sharding = by_name.get(node.name)
         if node.op == "placeholder":
             new = graph.placeholder(node.name)
             # FX renames an input named like a builtin ("input" -> "input_1"); every pass after this one
             # finds inputs by their captured names (a renamed one lost its gradient's sum over the mesh)
             new.name = node.name
-            _annotate(new, node, spec.outputs, node.name)
+            _annotate(new, node, sharding.outputs, node.name)
         elif node.op == "output":
             values = [_moved(env, moved, graph, src, i, pl, rank, node.name)
-                      for (src, i), pl in zip(tensor_inputs(node), spec.inputs)]
+                      for (src, i), pl in zip(tensor_inputs(node), sharding.inputs)]
             if fsdp:
                 values = [_own_storage(graph, v, captured.params) for v in values]
             outputs = iter(values)
@@ -74,7 +74,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
             new = graph.output(tuple(flat))
             new.meta[ORIGIN] = node.name
         else:
-            new = _emit(graph, env, moved, node, spec, rank)
+            new = _emit(graph, env, moved, node, sharding, rank)
         env[node] = new
     gm = GraphModule(captured.gm, graph)
     if training:
@@ -99,17 +99,17 @@ def _check_matches(captured: Captured, by_name) -> None:
         raise ValueError(f"the plan has nodes this model's program does not ({', '.join(sorted(extra)[:3])}): it was "
                          "made for another model, or in another mode (train / eval); plan again with this model")
     for node in captured.gm.graph.nodes:
-        spec = by_name.get(node.name)
-        if spec is None:
+        sharding = by_name.get(node.name)
+        if sharding is None:
             raise ValueError(
                 f"the plan has no entry for node {node.name!r}: it was made for another model "
                 "or other input shapes; plan again with this model and these inputs"
             )
         outs = output_values(node)
-        if outs and outs[0] is not None and tuple(outs[0].shape) != tuple(spec.shape):
+        if outs and outs[0] is not None and tuple(outs[0].shape) != tuple(sharding.shape):
             raise ValueError(
                 f"node {node.name!r} has shape {tuple(outs[0].shape)} but the plan expects "
-                f"{tuple(spec.shape)}: plan again for these input shapes"
+                f"{tuple(sharding.shape)}: plan again for these input shapes"
             )
 
 
@@ -132,7 +132,7 @@ def _annotate(new: Node, old: Node, placements, origin: str) -> None:
     new.meta[GLOBAL] = old.meta.get("val")
 
 
-def _emit(graph: Graph, env, moved, node: Node, spec, rank: RankView) -> Node:
+def _emit(graph: Graph, env, moved, node: Node, sharding: NodeSharding, rank: RankView) -> Node:
     """The moves of the node's inputs and the local op or kernel itself."""
     inputs = tensor_inputs(node)
     if node.target is operator.getitem:
@@ -141,18 +141,18 @@ def _emit(graph: Graph, env, moved, node: Node, spec, rank: RankView) -> Node:
         _annotate(new, node, (env[src].meta[PLACEMENTS][index],), node.name)
         # The plan may read a tuple element in other placements than it was made in: move it.
         env[node] = new
-        return _moved(env, moved, graph, node, 0, spec.outputs[0], rank, node.name)
+        return _moved(env, moved, graph, node, 0, sharding.outputs[0], rank, node.name)
     local_inputs = [_moved(env, moved, graph, src, i, pl, rank, node.name)
-                    for (src, i), pl in zip(inputs, spec.inputs)]
-    if spec.kernel == "local":
-        op, args, kwargs = local_call(node, rank, spec.inputs, spec.outputs, local_inputs)
+                    for (src, i), pl in zip(inputs, sharding.inputs)]
+    if sharding.kernel == "local":
+        op, args, kwargs = local_call(node, rank, sharding.inputs, sharding.outputs, local_inputs)
         op = _RESHAPES.get(op, op)
     else:
-        op, args, kwargs = registry.kernel_call(spec.kernel, node, spec, rank, local_inputs)
+        op, args, kwargs = registry.kernel_call(sharding.kernel, node, sharding, rank, local_inputs)
     new = graph.call_function(op, args, kwargs)
-    _annotate(new, node, spec.outputs, node.name)
-    if spec.kernel != "local":
-        new.meta[KERNEL] = spec.kernel
+    _annotate(new, node, sharding.outputs, node.name)
+    if sharding.kernel != "local":
+        new.meta[KERNEL] = sharding.kernel
     return new
 
 

@@ -111,8 +111,8 @@ class _Recorder(TorchDispatchMode):
             rng = _draw(func, args, kwargs, self.recording.device)
         out = func(*meta_args, **meta_kwargs)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        mutated = [a for a, spec in zip(args, func._schema.arguments)
-                   if isinstance(a, torch.Tensor) and spec.alias_info is not None and spec.alias_info.is_write]
+        mutated = [a for a, arg in zip(args, func._schema.arguments)
+                   if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
         self.recording.add(func, args, kwargs, outs, outs + mutated, [t for t in tensors if t.is_meta], rng)
         return out
 

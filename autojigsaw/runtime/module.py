@@ -78,7 +78,8 @@ class ParallelModule(nn.Module):
     """A model sharded over a DeviceMesh by a Plan; call it like the original model.
 
     Made by `autojigsaw.parallelize`, not by hand: `model` is the user's model, `device_mesh`
-    the DeviceMesh, `plan` a given Plan (None: planned), `.plan` the Plan in use.
+    the DeviceMesh, `plan` a given Plan (None: planned), `.plan` the Plan in use, `.program`
+    the Program in use and `.programs` every one built (one per input shape and mode).
     `build(model, args, kwargs)` makes the Program (autojigsaw.api's recipe), at construction or
     at the first call; `local_inputs`: the caller passes this rank's shards of the inputs;
     `local_outputs`: the caller asked for output placements and gets this rank's shards (otherwise
@@ -105,7 +106,7 @@ class ParallelModule(nn.Module):
         self._make = build
         self._local_inputs_given = local_inputs
         self._local_outputs = local_outputs
-        self._program = None
+        self._active: Program | None = None  # the program of the last call
         self._units: FsdpUnits | None = None
         self._state: tuple | None = None  # the modules' state the last program was built for
         self._calls = 0  # forward calls, for the checks that ranks still hold the same inputs and random state
@@ -153,12 +154,27 @@ class ParallelModule(nn.Module):
         self._parameters.update(self._model._parameters)  # the model's own, now sharded
         self._buffers.update(self._model._buffers)
 
+    @property
+    def program(self) -> Program | None:
+        """The Program in use (read-only): `.captured` (the captured graph), `.plan`, `.rank` (this rank's
+        view of the mesh), `.graph` (the rewritten graph of local-shard ops and collectives); None before
+        the first call of a module parallelize was given no example inputs for.
+
+            print(pmodel.program.graph.code)  # what this rank runs
+        """
+        return self._active
+
+    @property
+    def programs(self) -> tuple[Program, ...]:
+        """Every Program built so far, in the order built: one per input shape and module state (train or
+        eval mode, ...), each program once however many such keys it serves."""
+        return tuple({id(p): p for p in self._programs.values()}.values())
+
     def _use(self, program: Program) -> None:
-        self.plan, self._captured, self._rank = program.plan, program.captured, program.rank
-        self.precision = program.precision
-        # plain attributes, not submodules: the module tree (modules(), print, hooks, apply) stays the model's
-        object.__setattr__(self, "_graph", program.graph)
-        object.__setattr__(self, "_program", program.run)
+        self.plan, self.precision = program.plan, program.precision
+        # a plain attribute: the graph modules it holds stay out of the module tree (modules(), print, hooks,
+        # apply), which is the model's
+        object.__setattr__(self, "_active", program)
         self._sharded_outputs = _sharded_beside_loss(program.captured, program.plan)
 
     # ------------------------------------------------------------ running
@@ -169,11 +185,11 @@ class ParallelModule(nn.Module):
         passes local shards: their global shape is the plan's, others are refused clearly), the
         values of the inputs that are no tensors, and which tensor inputs need a gradient (for a
         program only: `_find`)."""
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat, tree_spec = pytree.tree_flatten((args, kwargs))
         if self._local_inputs_given:
             call = ("local shards", constant_keys(flat))
         else:
-            call = (str(spec), tuple(value_key(x) for x in flat))
+            call = (str(tree_spec), tuple(value_key(x) for x in flat))
         return module_state(self._model), call, needs_grad(flat)
 
     def _find(self, key: tuple) -> Program | None:
@@ -224,9 +240,8 @@ class ParallelModule(nn.Module):
         twin = ParallelModule(model, self.device_mesh, self._make, plan=self.plan,
                               local_inputs=self._local_inputs_given, local_outputs=self._local_outputs)
         twin._programs, twin._state, twin._calls = dict(self._programs), self._state, self._calls
-        current = next((p for p in self._programs.values() if p.run is getattr(self, "_program", None)), None)
-        if current is not None:
-            twin._use(current)
+        if self._active is not None:
+            twin._use(self._active)
         twin.train(self.training)
         return twin
 
@@ -243,25 +258,26 @@ class ParallelModule(nn.Module):
         program = self._find(self._key(args, kwargs))
         if program is None:
             self.build(args, kwargs)
-        elif program.run is not self._program:
+        elif program is not self._active:
             self._use(program)
         self._calls += 1
         if checks_again(self._calls):
-            check_same_values(values_to_agree(self._model, self._captured, args, kwargs, weights=False,
+            check_same_values(values_to_agree(self._model, self._active.captured, args, kwargs, weights=False,
                                               whole_inputs=not self._local_inputs_given))
-        captured = self._captured
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != captured.in_spec:
+        captured = self._active.captured
+        flat, tree_spec = pytree.tree_flatten((args, kwargs))
+        if tree_spec != captured.in_spec:
             raise ValueError(f"the module was planned for inputs structured as {captured.in_spec}, "
-                             f"got {spec}; call it as in the example inputs")
+                             f"got {tree_spec}; call it as in the example inputs")
 
         def run():
-            return self._program(*self._feeds(flat))
+            return self._active.run(*self._feeds(flat))
 
         try:
             outs = run() if self._units is None else self._units.run(run)
         except CollectiveError as e:
-            raise CollectiveError(f"{e} (graph node {_failing_node(e, self._graph)!r}, forward)", e.kind, e.axis) from e
+            node = _failing_node(e, self._active.graph)
+            raise CollectiveError(f"{e} (graph node {node!r}, forward)", e.kind, e.axis) from e
         # export returns a buffer's new value (BatchNorm's running statistics) before the outputs
         k = len(captured.mutated_buffers)
         mutated, outs = list(outs[:k]), list(outs[k:])
@@ -277,7 +293,7 @@ class ParallelModule(nn.Module):
 
     def _feeds(self, flat: list) -> list:
         """The program's inputs: the weights, buffers and constants it reads, then the call's inputs."""
-        captured, plan, rank = self._captured, self.plan, self._rank
+        captured, plan, rank = self._active.captured, self.plan, self._active.rank
         inputs = iter(self._local_inputs(flat))
         feeds = []
         for node in captured.gm.graph.nodes:
@@ -301,7 +317,7 @@ class ParallelModule(nn.Module):
         """A weight as the program reads it: this rank's tensor in the compute dtype; under FSDP's units the
         root's gathered one, None for a layer's (its unit feeds it to the layer's piece), and this rank's
         tensor for one FSDP leaves whole (a scalar)."""
-        local = self._local_parameter(self._captured.params[placeholder])  # (checks it is still parallelize's)
+        local = self._local_parameter(self._active.captured.params[placeholder])  # (checks it is still parallelize's)
         if self._units is not None:
             local = self._units.feed(placeholder, local)
         return None if local is None else self._compute_copy(local)
@@ -341,18 +357,18 @@ class ParallelModule(nn.Module):
         """The user's inputs as the graph wants them: this rank's shards."""
         given_local = self._local_inputs_given
         out = []
-        for x, name, pl, shape in zip(flat, self._captured.inputs, self.plan.input_placements,
-                                      self._captured.input_shapes):
+        captured, rank = self._active.captured, self._active.rank
+        for x, name, pl, shape in zip(flat, captured.inputs, self.plan.input_placements, captured.input_shapes):
             if not isinstance(x, torch.Tensor) or pl is None:
                 out.append(x)
                 continue
-            want = local_shape(shape, pl, self.mesh.sizes, self._rank.coord) if given_local else shape
+            want = local_shape(shape, pl, self.mesh.sizes, rank.coord) if given_local else shape
             if tuple(x.shape) != tuple(want):
                 what = "this rank's shard" if given_local else "the whole input"
                 raise ValueError(f"input {name!r} has shape {tuple(x.shape)} but the plan expects "
                                  f"{what} of shape {tuple(want)}: pass inputs shaped like the example "
                                  "inputs (other shapes are planned again only for whole inputs)")
-            out.append(self._compute_copy(x if given_local else _slice(x, pl, self._rank)))
+            out.append(self._compute_copy(x if given_local else _slice(x, pl, rank)))
         return out
 
 

@@ -133,10 +133,10 @@ def _ask(node: Node, mesh: MeshSpec, candidates: dict[Node, Sequence[Placements]
         return None
     n_inputs = len([a for a in pytree.tree_leaves((node.args, node.kwargs)) if a in candidates])
     pairs = []
-    for spec in result.strategies:
-        outputs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+    for op_spec in result.strategies:
+        outputs = op_spec.output_specs if isinstance(op_spec.output_specs, tuple) else (op_spec.output_specs,)
         out_pl = tuple(_placements(o) for o in outputs)
-        ins = spec.input_specs if spec.input_specs is not None else [spec.output_spec] * n_inputs
+        ins = op_spec.input_specs if op_spec.input_specs is not None else [op_spec.output_spec] * n_inputs
         in_pl = tuple(_placements(s) for s in ins[:n_inputs])
         if len(in_pl) == n_inputs and None not in in_pl:
             pairs.append((in_pl, out_pl))
@@ -154,11 +154,11 @@ def _output_meta(val):
     return tuple(_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
 
 
-def _placements(spec) -> Placements | None:
-    if spec is None:
+def _placements(tensor_spec) -> Placements | None:
+    if tensor_spec is None:
         return None
-    ndim = len(spec.tensor_meta.shape) if spec.tensor_meta is not None else None
-    pl = tuple(spec.placements)
+    ndim = len(tensor_spec.tensor_meta.shape) if tensor_spec.tensor_meta is not None else None
+    pl = tuple(tensor_spec.placements)
     return normalize(pl, ndim) if ndim else pl
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .dtensor_rules import _NO_EMPTY_INPUT, _PROPAGATOR
-from .rules.base import _RULES
+from .rules.base import registered_rules
 
 
 @dataclass(frozen=True)
@@ -108,16 +108,18 @@ def dtensor_rules() -> dict[str, list[str]]:
     by_rule = defaultdict(list)
     funcs = {**_PROPAGATOR.op_strategy_funcs,
              **{op: info.func for op, info in _PROPAGATOR.op_single_dim_strategy_funcs.items()}}
+    own = registered_rules()
     for op, fn in funcs.items():
-        if op not in _RULES:
+        if op not in own:
             by_rule[getattr(fn, "__name__", type(fn).__name__)].append(_name(op))
     return {rule: sorted(ops) for rule, ops in sorted(by_rule.items())}
 
 
 def table() -> str:
-    own = sorted(_RULES.items(), key=lambda kv: _name(kv[0]))
+    rules = registered_rules()
+    own = sorted(rules.items(), key=lambda kv: _name(kv[0]))
     dtensor = dtensor_rules()
-    covered = set(_RULES) | set(_PROPAGATOR.op_strategy_funcs) | set(_PROPAGATOR.op_single_dim_strategy_funcs)
+    covered = set(rules) | set(_PROPAGATOR.op_strategy_funcs) | set(_PROPAGATOR.op_single_dim_strategy_funcs)
     fallback = sorted({_name(op) for op in _core_ops() if op not in covered})
     lines = [
         "# Supported ops and patterns",

@@ -128,23 +128,23 @@ def _legal(strategy, q, k, seq: int, heads: int, mesh) -> bool:
 # ---------------------------------------------------------------- kernel calls and traffic
 
 
-def _seq_axis(node, spec) -> int:
+def _seq_axis(node, sharding) -> int:
     """The mesh axis the ring runs on: the one sharding Q's sequence dim."""
-    return kernel_axis(node, spec.inputs[0], node.args[0].meta["val"].ndim - 2, spec.kernel)
+    return kernel_axis(node, sharding.inputs[0], node.args[0].meta["val"].ndim - 2, sharding.kernel)
 
 
-def _ring_call(node, spec, rank, local_inputs):
+def _ring_call(node, sharding, rank, local_inputs):
     args = sdpa_args(node)
     mask = local_inputs[3] if len(local_inputs) > 3 else None
     kwargs = dict(is_causal=args["is_causal"], scale=args["scale"], enable_gqa=args["enable_gqa"],
-                  layout=RINGS[spec.kernel], seq_len=node.args[0].meta["val"].shape[-2],
-                  axis=rank.axis(_seq_axis(node, spec)))
+                  layout=RINGS[sharding.kernel], seq_len=node.args[0].meta["val"].shape[-2],
+                  axis=rank.axis(_seq_axis(node, sharding)))
     return seq_attention.ring, (*local_inputs[:3], mask), kwargs
 
 
-def _gathered_call(node, spec, rank, local_inputs):
+def _gathered_call(node, sharding, rank, local_inputs):
     q, args = node.args[0].meta["val"], sdpa_args(node)
-    offset = local_offset(q.shape, spec.inputs[0], rank.mesh.sizes, rank.coord)[q.ndim - 2]
+    offset = local_offset(q.shape, sharding.inputs[0], rank.mesh.sizes, rank.coord)[q.ndim - 2]
     mask = local_inputs[3] if len(local_inputs) > 3 else None
     kwargs = dict(is_causal=args["is_causal"], scale=args["scale"], enable_gqa=args["enable_gqa"],
                   row_offset=offset)

@@ -24,14 +24,23 @@ DRAWS = "any other op that draws random numbers"  # the key of the rule for seed
 
 def register(*ops):
     """Decorator: use this function as the rule for `ops` (OpOverloads, or the name of one that
-    another library defines when imported, e.g. "transformers.grouped_mm_fallback.default")."""
+    another library defines when imported, e.g. "transformers.grouped_mm_fallback.default");
+    an op has one rule, whichever file is imported first."""
 
     def wrap(fn):
         for op in ops:
+            if op in _RULES:
+                raise ValueError(f"{op} has a rule already ({_RULES[op].__module__}.{_RULES[op].__name__}); "
+                                 f"give {fn.__module__}.{fn.__name__} other ops, or merge the two")
             _RULES[op] = fn
         return fn
 
     return wrap
+
+
+def registered_rules() -> dict[object, Callable]:
+    """Every registered rule by its op (a copy)."""
+    return dict(_RULES)
 
 
 def strategies_for(node: Node, mesh: MeshSpec, candidates: Sequence[Sequence[Placements]]):

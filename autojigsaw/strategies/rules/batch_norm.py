@@ -63,13 +63,13 @@ def _stat_axes(placements) -> tuple[int, ...]:
     return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim != 1)
 
 
-def _build(node: Node, spec, rank, local_inputs):
+def _build(node: Node, sharding, rank, local_inputs):
     x = node.args[0].meta["val"]
     inputs = iter(local_inputs[1:])
     weight, bias, running_mean, running_var = (next(inputs) if isinstance(a, Node) else None for a in node.args[1:5])
     momentum, eps = node.args[6], node.args[7]
     count = math.prod(x.shape) // x.shape[1]
-    axes = tuple(rank.axis(a) for a in _stat_axes(spec.inputs[0]))
+    axes = tuple(rank.axis(a) for a in _stat_axes(sharding.inputs[0]))
     return sharded_batch_norm, (local_inputs[0], weight, bias, running_mean, running_var, momentum, eps), {
         "count": count, "axis": axes}
 

@@ -154,7 +154,7 @@ def _no_empty_shard(x_pl, w_pl, x_shape, w_shape, mesh) -> bool:
     return True
 
 
-def _patch_gemm_call(node, spec, rank, local_inputs):
+def _patch_gemm_call(node, sharding, rank, local_inputs):
     transposed = _conv_args(node)[3]
     return (patch_conv_transpose if transposed else patch_conv), tuple(local_inputs), {}
 
@@ -175,17 +175,17 @@ def _patch_gemm_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
 registry.add(registry.Kernel(PATCH_GEMM, _patch_gemm_call, None, _patch_gemm_cost))
 
 
-def _halo_call(node, spec, rank, local_inputs):
+def _halo_call(node, sharding, rank, local_inputs):
     stride, _, dilation, transposed, groups, output_padding = _conv_args(node)
     x, y = node.args[0].meta["val"], node.meta["val"]
-    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _stencils(node), rank.mesh.sizes)
+    found = halo.fetches(x.shape, y.shape, sharding.inputs[0], _stencils(node), rank.mesh.sizes)
     fetches = halo.kernel_fetches(found, rank)
     kwargs = dict(stride=stride, padding=_padding(node), dilation=dilation, groups=groups, fetches=fetches)
     if not transposed:
         return halo_conv, tuple(local_inputs), kwargs
     # the fetched rows' scatter starts at output row stride x first - padding: keep this rank's from there
-    offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
-    ys = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    offset = local_offset(y.shape, sharding.outputs[0], rank.mesh.sizes, rank.coord)
+    ys = local_shape(y.shape, sharding.outputs[0], rank.mesh.sizes, rank.coord)
     crops = tuple((d, offset[d] - (stride[d - 2] * wants[rank.coord[a]][0][0] - kwargs["padding"][d - 2]), ys[d])
                   for d, a, wants, _ in found)
     return halo_conv_transpose, tuple(local_inputs), {**kwargs, "output_padding": output_padding, "crops": crops}

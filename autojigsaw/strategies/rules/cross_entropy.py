@@ -92,14 +92,14 @@ def _axes(node: Node, placements, sizes) -> tuple[int | None, list[int]]:
     return (classes[0] if classes else None), rows
 
 
-def _call(node, spec, rank, local_inputs):
+def _call(node, sharding, rank, local_inputs):
     x = node.args[0].meta["val"]
     cd = _class_dim(x)
     _, reduction, ignore_index, smoothing = loss_args(node)
     sizes = rank.mesh.sizes
-    a, rows = _axes(node, spec.inputs[0], sizes)
+    a, rows = _axes(node, sharding.inputs[0], sizes)
     count_over = tuple(rank.axis(b) for b in rows) if reduction == "mean" else ()
-    kwargs = dict(classes=x.shape[cd], offset=local_offset(x.shape, spec.inputs[0], sizes, rank.coord)[cd],
+    kwargs = dict(classes=x.shape[cd], offset=local_offset(x.shape, sharding.inputs[0], sizes, rank.coord)[cd],
                   axis=None if a is None else rank.axis(a), count_over=count_over)
     return vocab_parallel_cross_entropy, (local_inputs[0], local_inputs[1], reduction, ignore_index, smoothing), kwargs
 

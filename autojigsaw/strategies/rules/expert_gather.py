@@ -50,12 +50,12 @@ def _axes(w_placements, mesh_sizes) -> list[int]:
     return [a for a, p in enumerate(w_placements) if p == Shard(0) and mesh_sizes[a] > 1]
 
 
-def _call(node, spec, rank, local_inputs):
-    axes = _axes(spec.inputs[1], rank.mesh.sizes)
-    if len(axes) != 1 or spec.outputs[0][axes[0]] != R or spec.inputs[0][axes[0]] != R:
+def _call(node, sharding, rank, local_inputs):
+    axes = _axes(sharding.inputs[1], rank.mesh.sizes)
+    if len(axes) != 1 or sharding.outputs[0][axes[0]] != R or sharding.inputs[0][axes[0]] != R:
         raise ValueError(f"node {node.name!r}: {KERNEL} splits the experts (W Shard(0)) over one mesh axis "
                          f"and takes X and gives its output Replicate there, but the plan says inputs "
-                         f"{spec.inputs}, output {spec.outputs[0]}; name kernel 'grouped_mm' for another "
+                         f"{sharding.inputs}, output {sharding.outputs[0]}; name kernel 'grouped_mm' for another "
                          "layout, or plan again")
     a = axes[0]
     experts = chunk_sizes(node.args[1].meta["val"].shape[0], rank.mesh.sizes[a])

@@ -82,10 +82,10 @@ def _groups(node: Node) -> int:
     return node.args[0].meta["val"].shape[1] if node.target is aten.instance_norm.default else node.args[1]
 
 
-def _build(node: Node, spec, rank, local_inputs):
+def _build(node: Node, sharding, rank, local_inputs):
     """group_norm on this rank's channels, with the number of groups they hold."""
     x, groups = node.args[0].meta["val"], node.args[1]
-    channels = local_shape(x.shape, spec.inputs[0], rank.mesh.sizes, rank.coord)[1]
+    channels = local_shape(x.shape, sharding.inputs[0], rank.mesh.sizes, rank.coord)[1]
     inputs = iter(local_inputs[1:])
     weight, bias = (next(inputs) if isinstance(a, Node) else None for a in (list(node.args) + [None] * 4)[2:4])
     eps = node.args[4] if len(node.args) > 4 else node.kwargs.get("eps", 1e-5)
@@ -100,7 +100,7 @@ def _stat_axes(placements) -> tuple[int, ...]:
     return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim >= 2)
 
 
-def _points(node: Node, spec, rank, local_inputs):
+def _points(node: Node, sharding, rank, local_inputs):
     """sharded_group_norm on this rank's points, the statistics summed over the axes that shard them."""
     x, args = node.args[0].meta["val"], list(node.args) + [None] * 8
     instance = node.target is aten.instance_norm.default
@@ -108,7 +108,7 @@ def _points(node: Node, spec, rank, local_inputs):
     weight, bias = (next(inputs) if isinstance(a, Node) else None for a in (args[1:3] if instance else args[2:4]))
     eps = args[7] if instance else args[4] if len(node.args) > 4 else node.kwargs.get("eps", 1e-5)
     groups = _groups(node)
-    axes = tuple(rank.axis(a) for a in _stat_axes(spec.inputs[0]))
+    axes = tuple(rank.axis(a) for a in _stat_axes(sharding.inputs[0]))
     return sharded_group_norm, (local_inputs[0], groups, weight, bias, eps), {"spatial": tuple(x.shape[2:]),
                                                                               "axis": axes}
 

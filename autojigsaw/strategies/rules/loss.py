@@ -55,7 +55,7 @@ def mse_loss(node, mesh, candidates):
     return per_axis(mesh, lambda n: _same_layouts(x.shape, n, outputs=1, partial_out=reduced))
 
 
-def _call(node, spec, rank, local_inputs):
+def _call(node, sharding, rank, local_inputs):
     x = node.args[0].meta["val"]
     reduction = _reduction(node)
     return sharded_mse_loss, tuple(local_inputs), dict(count=math.prod(x.shape), reduction=reduction)

@@ -98,10 +98,10 @@ def _expert_dims(strategy, mesh_sizes) -> tuple[int, ...]:
 
 
 # The kernel: the op itself on local shards; with the experts split, only the local experts' rows.
-def _call(node, spec, rank, local_inputs):
-    if not _expert_dims(spec, rank.mesh.sizes):
+def _call(node, sharding, rank, local_inputs):
+    if not _expert_dims(sharding, rank.mesh.sizes):
         return node.target, tuple(local_inputs), {}
-    first = local_offset(node.args[1].meta["val"].shape, spec.inputs[1], rank.mesh.sizes, rank.coord)[0]
+    first = local_offset(node.args[1].meta["val"].shape, sharding.inputs[1], rank.mesh.sizes, rank.coord)[0]
     return expert_rows_mm, (node.target, *local_inputs), {"first": first}
 
 

@@ -61,12 +61,13 @@ def _stat_axis(node: Node, strategy) -> int:
 def _call(kernel, eps_at: int):
     """The builder of `kernel`: (x, global normalized_shape, weight[, bias][, eps]) and its axis."""
 
-    def build(node, spec, rank, local_inputs):
+    def build(node, sharding, rank, local_inputs):
         inputs = iter(local_inputs[1:])
         args = list(node.args) + [None] * 4
         params = [next(inputs) if isinstance(args[i], Node) else None for i in _PARAMS[node.target]]
         eps = () if args[eps_at] is None else (args[eps_at],)  # absent: the kernel's default
-        return kernel, (local_inputs[0], list(node.args[1]), *params, *eps), {"axis": rank.axis(_stat_axis(node, spec))}
+        axis = rank.axis(_stat_axis(node, sharding))
+        return kernel, (local_inputs[0], list(node.args[1]), *params, *eps), {"axis": axis}
 
     return build
 

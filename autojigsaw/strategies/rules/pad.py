@@ -76,9 +76,9 @@ def _row_maps(node) -> dict[int, halo.RowMap]:
     return {d: halo.mapped(_source(_mode(node), before, x.shape[d])) for d, (before, _) in _padded(node).items()}
 
 
-def _halo_pad_call(node, spec, rank, local_inputs):
+def _halo_pad_call(node, sharding, rank, local_inputs):
     x, y = node.args[0].meta["val"], node.meta["val"]
-    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _row_maps(node), rank.mesh.sizes)
+    found = halo.fetches(x.shape, y.shape, sharding.inputs[0], _row_maps(node), rank.mesh.sizes)
     value = (list(node.args) + [None] * 4)[3 if node.target is aten.pad.default else 2]
     return halo_pad, (local_inputs[0], list(node.args[1])), dict(
         mode=_mode(node), value=value, fetches=halo.kernel_fetches(found, rank))

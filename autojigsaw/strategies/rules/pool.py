@@ -159,10 +159,10 @@ def _per_dim(v, n: int) -> list[int]:
     return list(v) * n if len(v) == 1 else list(v)
 
 
-def _halo_pool_call(node, spec, rank, local_inputs):
+def _halo_pool_call(node, sharding, rank, local_inputs):
     x, y = node.args[0].meta["val"], node.meta["val"]
     spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
-    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _pool_windows(node, spatial), rank.mesh.sizes)
+    found = halo.fetches(x.shape, y.shape, sharding.inputs[0], _pool_windows(node, spatial), rank.mesh.sizes)
     kernel, stride, padding, *_ = _pool_args(node, len(spatial))
     fill = float("-inf") if node.target in _MAX_POOLS else 0.0
     return halo_pool, (local_inputs[0], kernel, stride, padding, *node.args[4:]), dict(
@@ -184,10 +184,10 @@ def _halo_pool_cost(node, strategy, ctx, grad: bool) -> tuple[float, float]:
 registry.add(registry.Kernel(HALO_POOL, _halo_pool_call, halo.traffic, _halo_pool_cost))
 
 
-def _partial_mean_call(node, spec, rank, local_inputs):
+def _partial_mean_call(node, sharding, rank, local_inputs):
     x = node.args[0].meta["val"]
-    mine = local_shape(x.shape, spec.inputs[0], rank.mesh.sizes, rank.coord)
-    pooled = {p.dim for p in spec.inputs[0] if isinstance(p, Shard) and p.dim >= x.ndim - _SPATIAL[node.target]}
+    mine = local_shape(x.shape, sharding.inputs[0], rank.mesh.sizes, rank.coord)
+    pooled = {p.dim for p in sharding.inputs[0] if isinstance(p, Shard) and p.dim >= x.ndim - _SPATIAL[node.target]}
     share = math.prod(mine[d] / x.shape[d] for d in pooled)
     return partial_mean_pool, (local_inputs[0], node.args[1]), dict(op=node.target, share=share)
 
@@ -195,11 +195,11 @@ def _partial_mean_call(node, spec, rank, local_inputs):
 registry.add(registry.Kernel(PARTIAL_MEAN, _partial_mean_call))
 
 
-def _halo_adaptive_call(node, spec, rank, local_inputs):
+def _halo_adaptive_call(node, sharding, rank, local_inputs):
     x, y = node.args[0].meta["val"], node.meta["val"]
     spatial = range(x.ndim - _SPATIAL[node.target], x.ndim)
-    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _adaptive_windows(node, spatial), rank.mesh.sizes)
-    rows = halo.computed_rows("window_means", found, x.shape, y.shape, spec.outputs[0], rank, {})
+    found = halo.fetches(x.shape, y.shape, sharding.inputs[0], _adaptive_windows(node, spatial), rank.mesh.sizes)
+    rows = halo.computed_rows("window_means", found, x.shape, y.shape, sharding.outputs[0], rank, {})
     out_size = tuple(y.shape[d] for d in spatial)
     return halo_resize, (local_inputs[0],), dict(op=node.target, op_args=(), out_size=out_size,
                                                  fetches=halo.kernel_fetches(found, rank), rows=rows)

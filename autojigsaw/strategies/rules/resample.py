@@ -146,32 +146,32 @@ def _row_map(node, scale: int, size: int) -> halo.RowMap:
     return runs
 
 
-def _local_upsample(node, spec, rank, local_inputs):
+def _local_upsample(node, sharding, rank, local_inputs):
     """upsample_nearest to this rank's output chunk (the captured call may name the global size)."""
     y = node.meta["val"]
-    size = local_shape(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    size = local_shape(y.shape, sharding.outputs[0], rank.mesh.sizes, rank.coord)
     return node.target, (local_inputs[0], list(size[-len(_spatial(node)):]), None), {}
 
 
 registry.add(registry.Kernel(UPSAMPLE, _local_upsample))
 
 
-def _halo_call(node, spec, rank, local_inputs):
+def _halo_call(node, sharding, rank, local_inputs):
     x, y = node.args[0].meta["val"], node.meta["val"]
     scales = _scales(node)
-    found = halo.fetches(x.shape, y.shape, spec.inputs[0], _row_maps(node), rank.mesh.sizes)
+    found = halo.fetches(x.shape, y.shape, sharding.inputs[0], _row_maps(node), rank.mesh.sizes)
     out_size = tuple(y.shape[d] for d in _spatial(node))
     fetches = halo.kernel_fetches(found, rank)
     if _computed(node):
         kind = "corners" if node.args[2] else "half_pixel"
-        rows = halo.computed_rows(kind, found, x.shape, y.shape, spec.outputs[0], rank, _source_scales(node))
+        rows = halo.computed_rows(kind, found, x.shape, y.shape, sharding.outputs[0], rank, _source_scales(node))
         # aten resamples the other dims with the call's scale factors, and copies the computed ones
         factors, computed = (list(node.args) + [None])[3], {d for d, *_ in found}
         aten_scales = [None if d in computed or not factors else factors[k] for k, d in enumerate(_spatial(node))]
         return halo_resize, (local_inputs[0],), dict(op=node.target.overloadpacket.default,
                                                      op_args=(node.args[2], *aten_scales), out_size=out_size,
                                                      fetches=fetches, rows=rows)
-    offset = local_offset(y.shape, spec.outputs[0], rank.mesh.sizes, rank.coord)
+    offset = local_offset(y.shape, sharding.outputs[0], rank.mesh.sizes, rank.coord)
     extra = 1 if node.target in _LINEAR else 0
     crops = []
     for d, a, _, _ in found:

@@ -63,14 +63,14 @@ def softmax(node, mesh, candidates):
     return [s for s in per_axis(mesh, options) if s.inputs[0].count(Shard(dim)) <= 1]
 
 
-def _axis(node, spec, dim: int) -> int:
+def _axis(node, strategy, dim: int) -> int:
     """The mesh axis that shards the softmax dim: the kernel reduces over it."""
-    return kernel_axis(node, spec.inputs[0], dim, spec.kernel)
+    return kernel_axis(node, strategy.inputs[0], dim, strategy.kernel)
 
 
-def _sharded_call(node, spec, rank, local_inputs):
+def _sharded_call(node, sharding, rank, local_inputs):
     dim = node.args[1] % node.args[0].meta["val"].ndim
-    kwargs = dict(half_to_float=half_to_float(node), axis=rank.axis(_axis(node, spec, dim)))
+    kwargs = dict(half_to_float=half_to_float(node), axis=rank.axis(_axis(node, sharding, dim)))
     return _KERNELS[node.target], (local_inputs[0], dim), kwargs
 
 

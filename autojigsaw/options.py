@@ -1,0 +1,121 @@
+"""Options: the one documented configuration of `autojigsaw.plan` and `autojigsaw.parallelize`.
+
+Each field is a keyword of both (`autojigsaw.plan(model, (x,), mesh, device="a100")`), checked
+here; `api.plan_captured` takes the object itself. A new option is a field and its line in the
+docstring (tests/test_docstrings.py fails on a field the docstring does not name).
+"""
+
+# (no `from __future__ import annotations`: the annotations are evaluated, so help(Options) shows each
+# field's choices, the Literal's values, and not an alias's name)
+import dataclasses
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .cost_model.devices import DeviceSpec, device_spec
+from .cost_model.memory import Optimizer, OptimizerName
+from .mesh import MeshSpec
+from .placements import Placements
+from .planner.milp import Solution
+from .training import DataParallel, RecomputePolicy, Regime
+
+DEFAULT_DEVICE = "h100"  # the spec a plan is priced on when `device` is None and no mesh says otherwise
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options of `autojigsaw.plan` and `autojigsaw.parallelize`, each one keyword of both.
+
+    - `device`: the spec to price on: "h100", "h100-96gb", "h200", "a100", "a100-40gb", "cpu" (= "cpu-gloo"),
+      "+compile" appended for a torch.compile'd step, or a DeviceSpec (autojigsaw.calibrate); None: "h100"
+      for `plan`, the mesh's device for `parallelize`.
+    - `training`: price and run forward + backward + optimizer step (True) or forward only (False).
+    - `memory_budget`: bytes per rank; None: 90 % of the device's memory for `plan`, this rank's free
+      memory for `parallelize` (on CPU the host's memory divided by its ranks).
+    - `optimizer`: whose state is priced: "adam", "adamw", "sgd", "momentum", "adagrad", "rmsprop", or an
+      autojigsaw.cost_model.memory.Optimizer.
+    - `input_placements`: per input tensor, DTensor placements with one per mesh axis (`(Shard(0),
+      Replicate())`) or None to let autojigsaw choose; None: it chooses all. Given to `parallelize`, the
+      caller passes this rank's shards.
+    - `output_placements`: likewise per output tensor; `parallelize` then returns this rank's shards.
+    - `tie_layers`: one shared strategy per node of repeated layers; None: for big problems only.
+    - `mp_policy`: a torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32 masters,
+      gradient sums in reduce_dtype); None: the model's dtype throughout.
+    - `activation_checkpointing`: "none", "selective" (keep matmul and attention outputs), "selective-op"
+      (torchtitan's: also recompute every second matmul), "full", or "auto" (chosen per layer, with the
+      sharding, under the budget).
+    - `data_parallel`: "fsdp" or "ddp" on a mesh axis named "data"/"dp"; None: "fsdp" there (the plan's
+      mode under `parallelize(plan=...)`). No other axis name has a role.
+    - `dynamic`: capture with symbolic sizes (torch.export `Dim.AUTO`): `parallelize` runs every size in
+      their range with one plan, priced at the example's shape (give the largest); a size the plan cannot
+      split, or a model export cannot capture so, is planned per shape (a log line says why).
+      `plan(dynamic=True)` makes a plan for `parallelize(dynamic=True, plan=...)`.
+    - `solver`: called as `autojigsaw.planner.solve(problem, budget, **kw)` is, in its place (None: that,
+      HiGHS with 300 s per solve), e.g. `functools.partial(autojigsaw.planner.solve, time_limit=60)`.
+
+        import autojigsaw
+        options = dict(device="a100", memory_budget=40 * 2**30, activation_checkpointing="auto")
+        autojigsaw.Options(**options)  # checks them, as plan and parallelize do
+        plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 4}, **options)
+    """
+
+    device: str | DeviceSpec | None = None
+    training: bool = True
+    memory_budget: int | None = None
+    optimizer: OptimizerName | Optimizer = "adam"
+    input_placements: Sequence[Placements | None] | None = None
+    output_placements: Sequence[Placements | None] | None = None
+    tie_layers: bool | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
+    activation_checkpointing: RecomputePolicy = "none"
+    data_parallel: DataParallel | None = None
+    dynamic: bool = False
+    solver: Callable[..., Solution | None] | None = None
+
+    def __post_init__(self):
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
+                                   or not 0 < budget < float("inf")):
+            raise ValueError(f"memory_budget={budget!r} is not a budget: give bytes per rank as a positive number "
+                             "(e.g. 40 * 2**30 for 40 GiB), or None for the default")
+        if not isinstance(self.training, bool):
+            raise ValueError(f"training={self.training!r}: give True (forward, backward and optimizer step) or False")
+        if self.tie_layers is not None and not isinstance(self.tie_layers, bool):
+            raise ValueError(f"tie_layers={self.tie_layers!r}: give True, False or None (tie repeated layers only "
+                             "in big problems)")
+
+    @classmethod
+    def from_keywords(cls, keywords: Mapping, caller: str) -> "Options":
+        """The Options of `caller`'s keyword arguments; one that is no field is a TypeError naming the fields."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = [name for name in keywords if name not in fields]
+        if unknown:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}; its options are the "
+                            f"fields of autojigsaw.Options: {fields}")
+        return cls(**keywords)
+
+    def device_spec(self) -> DeviceSpec:
+        """The DeviceSpec priced on: `device`'s, DEFAULT_DEVICE's when None."""
+        return device_spec(self.device if self.device is not None else DEFAULT_DEVICE)
+
+    def regime(self, mesh: MeshSpec) -> Regime:
+        """The checked training regime on `mesh`: an unknown policy, FSDP without a data axis, or a compute
+        dtype the device has no peak for is a ValueError naming the choices."""
+        regime = Regime.of(mesh, mp_policy=self.mp_policy, activation_checkpointing=self.activation_checkpointing,
+                           data_parallel=self.data_parallel)
+        device = self.device_spec()
+        dtype = regime.precision.param_dtype
+        if regime.precision.mixed and str(dtype).removeprefix("torch.") not in dict(device.flops):
+            raise ValueError(f"mp_policy.param_dtype={dtype} cannot be computed in on device {device.name!r}, whose "
+                             f"peak table lists {[name for name, _ in device.flops]}: choose one of those dtypes")
+        return regime
+
+    def describe(self) -> str:
+        """The options as text two processes can compare: a DeviceSpec by its name, the solver by its
+        qualified name (the text of a function names its address)."""
+        solver = self.solver
+        return repr(dataclasses.replace(
+            self, device=self.device.name if isinstance(self.device, DeviceSpec) else self.device,
+            solver=None if solver is None else getattr(solver, "__qualname__", type(solver).__qualname__)))
