@@ -91,7 +91,9 @@ class Plan:
     `memory_per_rank` (peak bytes, at `peak_at`), `comm_bytes` (bytes sent), `step_time`
     (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer, "selective" |
     "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
-    planning went; `explainer`: the planner's data behind `explain`. print() gives the table.
+    planning went; `explainer`: the planner's data behind `explain`; `microbatches` per data replica
+    and step (gradient accumulation, or the pipeline's); `pipeline`: with a pipe axis, the stages
+    (autojigsaw.plan.Pipeline), each with its plan on the other axes. print() gives the table.
 
         plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
         open("plan.json", "w").write(plan.to_json())

@@ -79,7 +79,7 @@ def roles_kept(captured, gm):
 def captured_and_whole(name: str):
     """The captured graph of `name` (planned again for every mesh) and its 1-rank plan's bytes."""
     model, inputs = build(name)
-    captured = autojigsaw.api.capture_for(model, inputs, {}, autojigsaw.api.Regime())
+    captured = autojigsaw.api.capture_for(model, inputs, {}, autojigsaw.training.Regime())
     whole = autojigsaw.api.plan_captured(captured, autojigsaw.MeshSpec(("tensor",), (1,)),
                                          autojigsaw.Options("h100")).memory_per_rank
     return captured, whole

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from torch.distributed.tensor import Shard
 from torch.fx import GraphModule, Node
 
-import autojigsaw.api
+import autojigsaw.api.planning
 from autojigsaw.ir import STRATEGIES, Strategy, tensor_inputs
 
 Keep = Callable[[Node, Strategy], bool]
@@ -23,7 +23,7 @@ Keep = Callable[[Node, Strategy], bool]
 def strategies_filtered(keep_for: Callable[[object, GraphModule], Keep], unfiltered: list[str] | None = None):
     """While planning: each node keeps the strategies keep_for(captured, gm) accepts; a node with
     none accepted keeps all of its own (its name goes to `unfiltered`)."""
-    plan_captured, annotate = autojigsaw.api.plan_captured, autojigsaw.api.annotate
+    plan_captured, annotate = autojigsaw.api.planning.plan_captured, autojigsaw.api.planning.annotate
 
     def planned(captured, *args, **kwargs):
         def annotated(gm, *a, **k):
@@ -36,17 +36,17 @@ def strategies_filtered(keep_for: Callable[[object, GraphModule], Keep], unfilte
                 elif STRATEGIES in node.meta and unfiltered is not None:
                     unfiltered.append(node.name)
 
-        autojigsaw.api.annotate = annotated
+        autojigsaw.api.planning.annotate = annotated
         try:
             return plan_captured(captured, *args, **kwargs)
         finally:
-            autojigsaw.api.annotate = annotate
+            autojigsaw.api.planning.annotate = annotate
 
-    autojigsaw.api.plan_captured = planned
+    autojigsaw.api.planning.plan_captured = planned
     try:
         yield
     finally:
-        autojigsaw.api.plan_captured = plan_captured
+        autojigsaw.api.planning.plan_captured = plan_captured
 
 
 def tensor_parallel(axis: int) -> Callable[[object, GraphModule], Keep]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import autojigsaw
-from autojigsaw import api
+from autojigsaw.api import planning as api
 from autojigsaw.capture import capture
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.ir import STRATEGIES

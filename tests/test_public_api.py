@@ -91,7 +91,7 @@ class _Seams(ast.NodeVisitor):
         if isinstance(target, ast.Tuple):
             for t in target.elts:
                 self._assigned(t, line)
-        elif isinstance(target, ast.Attribute) and self.module_of(target.value) == "autojigsaw.api":
+        elif isinstance(target, ast.Attribute) and _in_api(self.module_of(target.value)):
             self.swap(line, f"{ast.unparse(target)} = ...")
 
     def visit_Call(self, node: ast.Call) -> None:
@@ -99,13 +99,18 @@ class _Seams(ast.NodeVisitor):
         if name.rpartition(".")[2] in PATCHERS and node.args:
             target = node.args[0]
             text = target.value if isinstance(target, ast.Constant) and isinstance(target.value, str) else None
-            if self.module_of(target) == "autojigsaw.api" or (text or "").startswith("autojigsaw.api."):
+            if _in_api(self.module_of(target)) or (text or "").startswith("autojigsaw.api."):
                 self.swap(node.lineno, ast.unparse(node)[:80])
         if name in ("mock.patch", "patch", "unittest.mock.patch") and node.args:
             target = node.args[0]
             if isinstance(target, ast.Constant) and str(target.value).startswith("autojigsaw.api."):
                 self.swap(node.lineno, ast.unparse(node)[:80])
         self.generic_visit(node)
+
+
+def _in_api(module: str | None) -> bool:
+    """Whether a module name is autojigsaw.api or one of its modules."""
+    return module is not None and (module == "autojigsaw.api" or module.startswith("autojigsaw.api."))
 
 
 def _parallel_module_privates() -> set[str]:

@@ -1,14 +1,11 @@
-"""The recipe: capture -> strategies -> costs -> solve -> Plan; then rewrite -> materialize -> compile.
+"""Planning: capture, strategies, costs, solve -> Plan, on any mesh and without a process group.
 
-`plan` runs the first half on any mesh without a process group; `parallelize` runs all of it on
-each rank (at the first call when no example inputs are given; rank 0 alone plans and sends the
-plan) and hands the result to a ParallelModule, which only holds and runs it.
+`plan` captures the model and calls `plan_captured`, the planning stages on a captured graph;
+`evaluate` prices a given plan; `with_traffic` reads a plan's exact bytes off its rewritten graph.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -18,39 +15,27 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate
 
-from .capture import Captured, at_sizes, capture, refuse_backward_hooks
-from .capture.order import without_device_indices
-from .cost_model.devices import DeviceSpec, device_spec
-from .cost_model.estimate import CostContext
-from .cost_model.in_flight import with_in_flight
-from .cost_model.recompute import repeated_layers
-from .cost_model.regime import with_fsdp_traffic, with_regime
-from .cost_model.memory import Optimizer, OptimizerName, optimizer_spec
-from .dtypes import value_carries_grad
-from .ir import grads_by_name
-from .mesh import MeshSpec, RankView
-from .options import Options
-from .placements import Placement, Placements, normalize
-from .plan import Plan, PlanStats
-from .planner import build_problem, solve
-from .planner.assemble import assemble, fixed_solution
-from .planner.errors import infeasible_error
-from .planner.recompute import solve_with_recompute, with_layers_recomputed
-from .planner.reuse import plan_at_shapes
-from .rewrite.recompute import split_layers
-from .rewrite.rewrite import rewrite
-from .rewrite.traffic import traffic_by_origin
-from .runtime.checks import check_agreement, check_group, check_plan, default_budget, device_of
-from .runtime.fsdp import FsdpUnits, shard_in_units
-from .runtime.materialize import materialize_model
-from .runtime.module import ParallelModule, Program
-from .runtime.one_plan import planned_on_rank0
-from .runtime.one_program import follow_rank0_order
-from .runtime.regional import compile_pieces
-from .runtime.same_values import check_same_values, values_to_agree
-from .strategies.annotate import annotate
-from .strategies.data_pins import data_pins
-from .training import Precision, Regime, data_axes
+from ..capture import Captured, at_sizes, capture
+from ..cost_model.devices import DeviceSpec, device_spec
+from ..cost_model.estimate import CostContext
+from ..cost_model.in_flight import with_in_flight
+from ..cost_model.recompute import repeated_layers
+from ..cost_model.regime import with_fsdp_traffic, with_regime
+from ..cost_model.memory import Optimizer, OptimizerName, optimizer_spec
+from ..ir import grads_by_name
+from ..mesh import MeshSpec, RankView
+from ..options import Options
+from ..placements import Placement, Placements, normalize
+from ..plan import Plan, PlanStats
+from ..planner import build_problem, solve
+from ..planner.assemble import assemble, fixed_solution
+from ..planner.errors import infeasible_error
+from ..planner.recompute import solve_with_recompute, with_layers_recomputed
+from ..rewrite.rewrite import rewrite
+from ..rewrite.traffic import traffic_by_origin
+from ..strategies.annotate import annotate
+from ..strategies.data_pins import data_pins
+from ..training import Precision, Regime
 
 log = logging.getLogger("autojigsaw")
 
@@ -106,135 +91,6 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, example_kwar
     return plan_captured(captured, mesh, options)
 
 
-def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = None, *, compile: bool | str = True,
-                example_kwargs: Mapping | None = None, plan: Plan | None = None, **options) -> ParallelModule:
-    """Shard `model` over `mesh` (a DeviceMesh with named axes) by a plan; returns the module to train.
-
-    Every rank calls it with the same model and inputs. Parameters of the result are DTensors
-    (optimizers, clip_grad_norm_ and torch.distributed.checkpoint work unchanged); it takes
-    whole inputs and returns whole outputs unless told otherwise.
-
-    - `example_inputs` / `example_kwargs`: one call's inputs, planned for now; None: planned
-      at the first call, like torch.compile. A call with other input shapes is planned again
-      with the parameters kept in place (one plan per shape, cached).
-    - `compile`: torch.compile the rewritten graph (fullgraph); a string names the backend
-      ("aot_eager": graph breaks and the traced backward checked, no kernels generated).
-    - `plan`: apply this Plan (from `autojigsaw.plan` or `Plan.from_json`) instead of planning;
-      its recomputation and data-parallel mode included.
-    - `**options`: the fields of autojigsaw.Options as keywords (`device=`, `memory_budget=`,
-      `activation_checkpointing=`, ...), each documented there: help(autojigsaw.Options).
-
-        import autojigsaw, torch
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("domain", "tensor"))
-        pmodel = autojigsaw.parallelize(model, mesh, (x,), memory_budget=60 * 2**30)
-        opt = torch.optim.AdamW(pmodel.parameters())
-        pmodel(x).square().mean().backward(); opt.step()
-    """
-    _check_model(model)
-    options = _resolved(Options.from_keywords(options, "parallelize"), mesh, plan)
-    mesh_spec = MeshSpec.of(mesh)
-    regime = options.regime(mesh_spec)
-    if options.memory_budget is None:
-        options = replace(options, memory_budget=default_budget(mesh))
-    if options.dynamic and options.input_placements is not None:
-        raise ValueError("dynamic=True serves a range of whole-input shapes, but input_placements makes the "
-                         "caller pass local shards of one shape: drop one of the two")
-    build = functools.partial(_program, device_mesh=mesh, plan=plan, options=options, compile=compile)
-    module = ParallelModule(model, mesh, build, plan=plan, local_inputs=options.input_placements is not None,
-                            local_outputs=options.output_placements is not None)
-    if example_inputs is not None:
-        module.build(_positional(example_inputs), dict(example_kwargs or {}))
-    elif regime.fsdp and mesh_spec.sizes[data_axes(mesh_spec)[0]] > 1:
-        raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass example_inputs "
-                         "to parallelize, or data_parallel='ddp' to plan at the first call")
-    return module
-
-
-def _resolved(options: Options, device_mesh, plan: Plan | None) -> Options:
-    """parallelize's options with its defaults filled in: the mesh's device, the given plan's data-parallel mode."""
-    if options.device is None:
-        options = replace(options, device=device_of(device_mesh))
-    if plan is not None and options.data_parallel is None:
-        options = replace(options, data_parallel=plan.data_parallel)
-    return options
-
-
-def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
-             options: Options, compile: bool | str, pinned: dict[str, Placements] | None = None,
-             reuse: Program | None = None, units: FsdpUnits | None = None) -> Program:
-    """One rank's program: capture, plan (unless given), materialize its shards (and FSDP's units), rewrite,
-    compile. `units`: the FSDP units the first program made, which later ones run through.
-
-    `pinned` (parameter FQN -> placements): the model is sharded already and is planned again for
-    new input shapes with its parameters where they are, so the optimizer's DTensors stay valid.
-    `options.dynamic`: capture with symbolic sizes (Program.symbolic) so that the plan serves their range;
-    `reuse`: such a program whose range holds these inputs: its plan, where legal at these sizes.
-    """
-    mesh = MeshSpec.of(device_mesh)
-    check_group(device_mesh, mesh)
-    regime = options.regime(mesh)
-    captured, symbolic, failed = None, None, None
-    try:
-        refuse_backward_hooks(model)  # the program's backward runs none of them
-        if reuse is not None:
-            symbolic = reuse.symbolic
-        else:
-            symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
-        captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
-    except Exception as e:  # noqa: BLE001 -- told to the other ranks first (none waits for this one), then raised
-        failed = e
-    follow_rank0_order(captured)  # before any plan names its nodes
-    try:
-        if failed is None and reuse is not None:
-            plan = _reused(captured, reuse.plan)
-            symbolic = symbolic if plan is not None else None
-        if failed is None and plan is not None:
-            check_plan(plan, mesh, captured, regime)
-    except Exception as e:  # noqa: BLE001 -- as above
-        failed = e
-    if failed is not None:
-        plan_fact = f"none: {(str(failed) or type(failed).__name__).splitlines()[0]}"
-    else:
-        plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
-    # every rank agrees on the model and on the plan, or on what rank 0 is to plan, before it is made
-    facts = _facts(captured) if captured is not None else {"model": f"not captured ({plan_fact})"}
-    check_agreement({**facts, "plan": plan_fact, "options": options.describe()})
-    if failed is not None:
-        raise failed
-    if plan is None:
-        pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
-        plan = planned_on_rank0(lambda: plan_captured(captured, mesh, options, pins))
-    check_same_values(values_to_agree(model, captured, args, kwargs, weights=pinned is None,
-                                      whole_inputs=options.input_placements is None))
-    rank = RankView.of(device_mesh, mesh)
-    if pinned is None:
-        materialize_model(model, plan.param_placements, device_mesh, rank.coord)
-        units = shard_in_units(model, captured, device_mesh, regime)
-    # Inputs that do not require grad skip these gradient collectives at run time.
-    differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
-    gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
-    split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
-    return Program(captured, plan, rank, gm, _runnable(split, pieces, units, compile), regime.precision, symbolic,
-                   units)
-
-
-def _runnable(split: torch.fx.GraphModule, pieces, units: FsdpUnits | None, compile: bool | str) -> torch.nn.Module:
-    """What runs the rewritten graph (split in layers): compiled whole, or under FSDP's units, whose hooks
-    run between the pieces, each piece compiled on its own."""
-    if units is not None and pieces:
-        units.wrap(split, pieces, compile_pieces(split, functools.partial(_compiled, compile=compile)))
-        return split
-    return _compiled(split, compile)
-
-
-def _compiled(gm: torch.fx.GraphModule, compile: bool | str) -> torch.nn.Module:
-    """gm under torch.compile (fullgraph), with the backend `compile` names; gm itself if False."""
-    if not compile:
-        return gm
-    return torch.compile(gm, fullgraph=True, backend=compile if isinstance(compile, str) else "inductor")
-
-
 def _symbolic(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime) -> Captured | None:
     """The model captured with symbolic input sizes (dynamic=True), or None, logged, where export
     keeps no size symbolic or cannot capture the model so."""
@@ -251,27 +107,6 @@ def _symbolic(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime)
         return None
     log.info("autojigsaw: dynamic=True: one plan for inputs %s", symbolic.shapes)
     return symbolic
-
-
-def _reused(captured: Captured, plan: Plan) -> Plan | None:
-    """`plan` at the captured sizes, or None, logged, where a decision does not apply there."""
-    try:
-        return plan_at_shapes(captured, plan)
-    except ValueError as e:
-        log.info("autojigsaw: dynamic=True: the plan does not apply to input shapes %s (%s); planning them "
-                 "with the parameters as placed", captured.input_shapes, e)
-        return None
-
-
-def _facts(captured: Captured) -> dict[str, str]:
-    """What every rank must agree on before the step: the model's parameters, the input shapes and the
-    traced program (a constant or a branch that differs by rank changes it; device indices do not)."""
-    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
-    model = hashlib.sha256(repr([(fqn, tuple(values[ph].shape), str(values[ph].dtype))
-                                 for ph, fqn in sorted(captured.params.items(), key=lambda kv: kv[1])]).encode())
-    inputs = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in captured.input_values]
-    program = hashlib.sha256(without_device_indices(captured.gm.code).encode())
-    return {"model": model.hexdigest()[:16], "inputs": repr(inputs), "program": program.hexdigest()[:16]}
 
 
 def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options(),
@@ -296,12 +131,8 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     t2 = time.perf_counter()
     nodes = {n.name: n for n in captured.gm.graph.nodes}
     policy = regime.recompute if options.training else "none"
-    persistent = {i for i, name in enumerate(problem.names) if name in captured.params or name in captured.buffers}
+    held = _in_flight(problem, captured, in_flight)
     solver = options.solver or solve
-
-    def held(p):
-        return replace(p, memory=with_in_flight(p.memory, in_flight, persistent))
-
     chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
                                   budget, lambda p, b, **kw: solver(held(p), b, **kw))
     problem, solution = held(chosen.problem), chosen.solution
@@ -350,6 +181,15 @@ def with_traffic(plan: Plan, captured: Captured) -> Plan:
     traffic = traffic_by_origin(gm, rank, captured.trained_params, plan.training)
     nodes = tuple(replace(n, comm_bytes=traffic.get(n.name, 0)) for n in plan.nodes)
     return replace(plan, nodes=nodes, comm_bytes=sum(traffic.values()))
+
+
+def _in_flight(problem, captured: Captured, in_flight: int):
+    """The problem with the activations `in_flight` microbatches save held at once (a pipeline stage's):
+    applied to each recomputation variant, whose saved activations differ."""
+    if in_flight == 1:
+        return lambda p: p
+    persistent = {i for i, name in enumerate(problem.names) if name in captured.params or name in captured.buffers}
+    return lambda p: replace(p, memory=with_in_flight(p.memory, in_flight, persistent))
 
 
 def _problem(captured: Captured, ctx: CostContext, tie_layers: bool | None):
