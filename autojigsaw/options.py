@@ -52,6 +52,13 @@ class Options:
       their range with one plan, priced at the example's shape (give the largest); a size the plan cannot
       split, or a model export cannot capture so, is planned per shape (a log line says why).
       `plan(dynamic=True)` makes a plan for `parallelize(dynamic=True, plan=...)`.
+    - `pipeline_schedule`: over a mesh axis named "pipe"/"pp" (pipeline stages), PyTorch's schedule:
+      "gpipe", "1F1B", "interleaved", "zero-bubble" (ZBV), "interleaved-zero-bubble", "looped-bfs", or
+      one of torch.distributed.pipelining's schedule classes; None: the planner chooses.
+    - `microbatches`: per data replica and step: a pipeline's microbatches, or, without a pipe axis,
+      gradient accumulation (`ParallelModule.train_step` runs them one after another); None: the
+      planner chooses with a pipe axis, 1 without.
+    - `virtual_stages`: pipeline stages per pipe rank (interleaved schedules); None: chosen.
     - `solver`: called as `autojigsaw.planner.solve(problem, budget, **kw)` is, in its place (None: that,
       HiGHS with 300 s per solve), e.g. `functools.partial(autojigsaw.planner.solve, time_limit=60)`.
 
@@ -72,6 +79,9 @@ class Options:
     activation_checkpointing: RecomputePolicy = "none"
     data_parallel: DataParallel | None = None
     dynamic: bool = False
+    pipeline_schedule: str | type | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
     solver: Callable[..., Solution | None] | None = None
 
     def __post_init__(self):
@@ -82,6 +92,10 @@ class Options:
                              "(e.g. 40 * 2**30 for 40 GiB), or None for the default")
         if not isinstance(self.training, bool):
             raise ValueError(f"training={self.training!r}: give True (forward, backward and optimizer step) or False")
+        for name in ("microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: give a positive int, or None to let the planner choose")
         if self.tie_layers is not None and not isinstance(self.tie_layers, bool):
             raise ValueError(f"tie_layers={self.tie_layers!r}: give True, False or None (tie repeated layers only "
                              "in big problems)")

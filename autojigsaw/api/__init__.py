@@ -6,6 +6,7 @@ plan) and hands the result to a ParallelModule, which only holds and runs it.
 """
 
 from .building import parallelize
-from .planning import capture_for, evaluate, plan, plan_captured, with_traffic
+from .planning import evaluate, plan
+from .recipe import capture_for, plan_captured, with_traffic
 
 __all__ = ["capture_for", "evaluate", "parallelize", "plan", "plan_captured", "with_traffic"]

@@ -6,7 +6,6 @@ The result is a ParallelModule, which holds one Program per input shape and runs
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -14,7 +13,6 @@ from dataclasses import replace
 import torch
 
 from ..capture import Captured, at_sizes, refuse_backward_hooks
-from ..capture.order import without_device_indices
 from ..dtypes import value_carries_grad
 from ..mesh import MeshSpec, RankView
 from ..options import Options
@@ -23,17 +21,20 @@ from ..plan import Plan
 from ..planner.reuse import plan_at_shapes
 from ..rewrite.recompute import split_layers
 from ..rewrite.rewrite import rewrite
-from ..runtime.checks import check_agreement, check_group, check_plan, default_budget, device_of
+from ..runtime.checks import check_agreement, check_group, check_plan, default_budget, device_of, program_facts
 from ..runtime.fsdp import FsdpUnits, shard_in_units
 from ..runtime.materialize import materialize_model
-from ..runtime.module import ParallelModule, Program
+from ..runtime.module import ParallelModule
+from ..runtime.program import Program
 from ..runtime.one_plan import planned_on_rank0
 from ..runtime.one_program import follow_rank0_order
-from ..runtime.regional import compile_pieces
+from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
-from ..training import data_axes
+from ..training import pipe_axis, data_axes
 
-from .planning import _check_model, _positional, _symbolic, capture_for, plan_captured
+from .planning import _check_model, _positional
+from .pipelines import accumulated, build_pipeline, microbatch_of
+from .recipe import _symbolic, capture_for, plan_captured
 
 log = logging.getLogger("autojigsaw")
 
@@ -69,6 +70,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     regime = options.regime(mesh_spec)
     if options.memory_budget is None:
         options = replace(options, memory_budget=default_budget(mesh))
+    if pipe_axis(mesh_spec) is not None:
+        return _pipelined(model, mesh, example_inputs, example_kwargs, plan, options, compile)
     if options.dynamic and options.input_placements is not None:
         raise ValueError("dynamic=True serves a range of whole-input shapes, but input_placements makes the "
                          "caller pass local shards of one shape: drop one of the two")
@@ -76,10 +79,25 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     module = ParallelModule(model, mesh, build, plan=plan, local_inputs=options.input_placements is not None,
                             local_outputs=options.output_placements is not None)
     if example_inputs is not None:
-        module.build(_positional(example_inputs), dict(example_kwargs or {}))
+        args, kwargs = _positional(example_inputs), dict(example_kwargs or {})
+        microbatches = (plan.microbatches if plan is not None else options.microbatches) or 1
+        module.build(*(microbatch_of(args, kwargs, microbatches) if microbatches > 1 else (args, kwargs)))
     elif regime.fsdp and mesh_spec.sizes[data_axes(mesh_spec)[0]] > 1:
         raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass example_inputs "
                          "to parallelize, or data_parallel='ddp' to plan at the first call")
+    return module
+
+
+def _pipelined(model: torch.nn.Module, mesh, example_inputs, example_kwargs, plan: Plan | None, options: Options,
+               compile: bool | str) -> ParallelModule:
+    """A model over a mesh with a pipe axis: its stages built now (the cut needs the example's shapes)."""
+    if example_inputs is None:
+        raise ValueError("a pipe axis cuts the model into stages as parallelize builds it: pass example_inputs (one "
+                         "step's whole batch, which the schedule splits into microbatches)")
+    args, kwargs = _positional(example_inputs), dict(example_kwargs or {})
+    plan, run = build_pipeline(model, args, kwargs, device_mesh=mesh, plan=plan, options=options, compile=compile)
+    module = ParallelModule(model, mesh, None, plan=plan)
+    module.use_pipeline(run)
     return module
 
 
@@ -130,13 +148,14 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     else:
         plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
     # every rank agrees on the model and on the plan, or on what rank 0 is to plan, before it is made
-    facts = _facts(captured) if captured is not None else {"model": f"not captured ({plan_fact})"}
+    facts = program_facts(captured) if captured is not None else {"model": f"not captured ({plan_fact})"}
     check_agreement({**facts, "plan": plan_fact, "options": options.describe()})
     if failed is not None:
         raise failed
     if plan is None:
         pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
-        plan = planned_on_rank0(lambda: plan_captured(captured, mesh, options, pins))
+        plan = planned_on_rank0(lambda: accumulated(plan_captured(captured, mesh, options, pins), captured,
+                                                    options.microbatches or 1))
     check_same_values(values_to_agree(model, captured, args, kwargs, weights=pinned is None,
                                       whole_inputs=options.input_placements is None))
     rank = RankView.of(device_mesh, mesh)
@@ -147,24 +166,8 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
     split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
-    return Program(captured, plan, rank, gm, _runnable(split, pieces, units, compile), regime.precision, symbolic,
+    return Program(captured, plan, rank, gm, runnable(split, pieces, units, compile), regime.precision, symbolic,
                    units)
-
-
-def _runnable(split: torch.fx.GraphModule, pieces, units: FsdpUnits | None, compile: bool | str) -> torch.nn.Module:
-    """What runs the rewritten graph (split in layers): compiled whole, or under FSDP's units, whose hooks
-    run between the pieces, each piece compiled on its own."""
-    if units is not None and pieces:
-        units.wrap(split, pieces, compile_pieces(split, functools.partial(_compiled, compile=compile)))
-        return split
-    return _compiled(split, compile)
-
-
-def _compiled(gm: torch.fx.GraphModule, compile: bool | str) -> torch.nn.Module:
-    """gm under torch.compile (fullgraph), with the backend `compile` names; gm itself if False."""
-    if not compile:
-        return gm
-    return torch.compile(gm, fullgraph=True, backend=compile if isinstance(compile, str) else "inductor")
 
 
 def _reused(captured: Captured, plan: Plan) -> Plan | None:
@@ -175,14 +178,3 @@ def _reused(captured: Captured, plan: Plan) -> Plan | None:
         log.info("autojigsaw: dynamic=True: the plan does not apply to input shapes %s (%s); planning them "
                  "with the parameters as placed", captured.input_shapes, e)
         return None
-
-
-def _facts(captured: Captured) -> dict[str, str]:
-    """What every rank must agree on before the step: the model's parameters, the input shapes and the
-    traced program (a constant or a branch that differs by rank changes it; device indices do not)."""
-    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
-    model = hashlib.sha256(repr([(fqn, tuple(values[ph].shape), str(values[ph].dtype))
-                                 for ph, fqn in sorted(captured.params.items(), key=lambda kv: kv[1])]).encode())
-    inputs = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in captured.input_values]
-    program = hashlib.sha256(without_device_indices(captured.gm.code).encode())
-    return {"model": model.hexdigest()[:16], "inputs": repr(inputs), "program": program.hexdigest()[:16]}

@@ -29,10 +29,10 @@ from ..capture.stages import StageProgram, cut, layer_stack
 from ..cost_model.comm import collective_time
 from ..cost_model.compute import backward_factor
 from ..cost_model.devices import DeviceSpec
-from ..cost_model.schedule import SCHEDULES, SINGLE, V_SHAPED, StageTimes, rank_orders, simulate, stage_ranks
+from ..cost_model.schedule import SINGLE, V_SHAPED, StageTimes, rank_orders, simulate, stage_ranks
 from ..mesh import MeshSpec
 from ..modules import layer_of, module_path
-from ..placements import Placements, local_shape
+from ..placements import local_shape
 from ..plan import Pipeline, Plan, StagePlan
 from ..training import data_axes, pipe_axis, stage_mesh
 
@@ -51,8 +51,8 @@ class PipelineChoice:
 
 
 # A stage planner: (stage program's captured graph, stage mesh, input placements, output placements,
-# budget in bytes, microbatches in flight) -> its Plan.
-PlanStage = Callable[[Captured, MeshSpec, list, list | None, int, int], Plan]
+# budget in bytes, microbatches in flight, pinned weights: placeholder -> placements) -> its Plan.
+PlanStage = Callable[[Captured, MeshSpec, list | None, list | None, int, int, dict], Plan]
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ def _whole_plan(plan_stage: PlanStage, captured: Captured, sub: MeshSpec, user_i
     """The whole model planned on the stage mesh, as fast as it runs with no memory budget (a quick
     solve: the budget is the stages' own): its layers' costs and the placements of the values between
     layers."""
-    return plan_stage(captured, sub, user_inputs, None, NO_BUDGET, 1)
+    return plan_stage(captured, sub, user_inputs, None, NO_BUDGET, 1, {})
 
 
 def layer_costs(plan: Plan, captured: Captured) -> LayerCosts:
@@ -347,13 +347,15 @@ def _stage_plans(programs: list[StageProgram], whole: Plan, plan_stage: PlanStag
     first_of = {}
     for s, kind in enumerate(kinds):
         first_of.setdefault(kind, s)
-    planned = {}
+    planned, weights = {}, {}  # weights: FQN -> placements, so that a weight two stages read (tied) is placed alike
     for kind, s in first_of.items():
         prog, k = programs[s], max(f for f, other in zip(in_flight, kinds) if other == kind)
         ins = user_inputs if s == 0 else [placed[n] for n in prog.captured.inputs]
         outs = [placed[n] for n in prog.sends] if s < last else None
+        pinned = {ph: weights[fqn] for ph, fqn in prog.captured.params.items() if fqn in weights}
         try:
-            planned[s] = plan_stage(prog.captured, sub, ins, outs, budget, k)
+            planned[s] = plan_stage(prog.captured, sub, ins, outs, budget, k, pinned)
+            weights.update(planned[s].param_placements)
         except ValueError as e:
             raise ValueError(f"pipeline stage {s} of {last + 1} ({_span_name(prog.layers)}, {k} microbatch(es) in "
                              f"flight under {schedule}) does not fit its budget: {e}") from None

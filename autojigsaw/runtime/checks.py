@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from importlib.metadata import version
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture import Captured
+from ..capture.order import without_device_indices
 from ..mesh import MeshSpec
 from ..plan import Plan
 from ..training import Regime
@@ -106,3 +108,14 @@ _HASH_SEED_HINT = (". The ranks also hash strings with different seeds (PYTHONHA
                    "rank), so a model that chooses by the order of a set of strings computes another program on "
                    "each rank (ops only traced in another order are put in rank 0's order instead). Launch every "
                    "rank with the same seed: PYTHONHASHSEED=0 torchrun ...")
+
+
+def program_facts(captured: Captured) -> dict[str, str]:
+    """What every rank must agree on before the step: the model's parameters, the input shapes and the
+    traced program (a constant or a branch that differs by rank changes it; device indices do not)."""
+    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    model = hashlib.sha256(repr([(fqn, tuple(values[ph].shape), str(values[ph].dtype))
+                                 for ph, fqn in sorted(captured.params.items(), key=lambda kv: kv[1])]).encode())
+    inputs = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in captured.input_values]
+    program = hashlib.sha256(without_device_indices(captured.gm.code).encode())
+    return {"model": model.hexdigest()[:16], "inputs": repr(inputs), "program": program.hexdigest()[:16]}

@@ -19,43 +19,27 @@ import logging
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from ..capture import Captured, constant_keys, needs_grad, value_key
-from ..ir import ORIGIN, GradKind
-from ..kernels.collectives import CollectiveError, shard_slice
-from ..mesh import MeshSpec, RankView
-from ..placements import chunk_sizes, local_shape
+from ..ir import ORIGIN
+from ..kernels.collectives import CollectiveError
+from ..mesh import MeshSpec
 from ..plan import Plan
-from ..training import Precision
 from .fsdp import FsdpUnits
-from .materialize import local_view
+from .feeds import program_feeds
+from .pipeline import PipelineRun, loss_of, split_microbatches
+from .program import Program
 from .module_state import PLAIN, changed_state, describe_modes, module_state
 from .same_values import check_same_values, checks_again, values_to_agree
 
 log = logging.getLogger("autojigsaw")
-
-
-@dataclass(frozen=True)
-class Program:
-    """What one rank runs: the captured graph, its plan, the rank, the rewritten graph and what runs it (split
-    in layers for recomputation or FSDP's units, compiled)."""
-
-    captured: Captured
-    plan: Plan
-    rank: RankView
-    graph: GraphModule
-    run: Callable
-    precision: Precision = Precision()
-    symbolic: Captured | None = None  # with dynamic=True: the graph at symbolic sizes, its plan serves their range
-    units: FsdpUnits | None = None  # FSDP's units over the data axis (the first program makes them)
 
 
 _AUTOCAST = ("autojigsaw: a parallelized module called under torch.autocast runs its ops autocast, but its plan "
@@ -111,6 +95,35 @@ class ParallelModule(nn.Module):
         self._state: tuple | None = None  # the modules' state the last program was built for
         self._calls = 0  # forward calls, for the checks that ranks still hold the same inputs and random state
         self._programs: dict[tuple, Program] = {}  # one per input shape, as torch.compile caches graphs
+        self._pipeline: PipelineRun | None = None  # with a pipe axis: this rank's stages under their schedule
+
+    def use_pipeline(self, run: PipelineRun) -> None:
+        """Run this rank's pipeline stages (parallelize's, with a pipe axis): `train_step` steps them."""
+        self._pipeline = run
+        self._parameters.update(self._model._parameters)  # the model's own, sharded (or dropped: another stage's)
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of one step's whole batch, split into the plan's microbatches; the loss.
+
+        The model must return its loss (a scalar, or an output with `.loss`). With a pipe axis the
+        stages run under the plan's schedule and the mean loss of the microbatches comes back on
+        every rank; without one the microbatches run one after another (gradient accumulation,
+        FSDP's gradient sums once, after the last). Step the optimizer after it, as usual.
+
+            loss = pmodel.train_step(ids, labels=ids); opt.step(); opt.zero_grad()
+        """
+        if self._pipeline is not None:
+            return self._pipeline.step(args, kwargs)
+        microbatches = self.plan.microbatches if self.plan is not None else 1
+        chunks = split_microbatches(args, kwargs, microbatches)
+        total = torch.zeros(())
+        for k, (a, kw) in enumerate(chunks):
+            if self._units is not None:
+                self._units.sync_gradients(k == len(chunks) - 1)
+            loss = loss_of(self(*a, **kw)) / len(chunks)
+            loss.backward()
+            total = total + loss.detach().float()
+        return total
 
     def build(self, args: tuple, kwargs: dict) -> None:
         """Plan (unless a plan was given), shard and compile for inputs like `args`, `kwargs`.
@@ -253,6 +266,11 @@ class ParallelModule(nn.Module):
         return self
 
     def forward(self, *args, **kwargs):
+        if self._pipeline is not None:
+            raise ValueError("with a pipe axis each rank holds only its pipeline stages: train with "
+                             "pmodel.train_step(*inputs, **kwargs), which runs every microbatch forward and backward "
+                             "and returns the loss; to run the model forward only, load its weights into an "
+                             "unsharded copy (torch.distributed.checkpoint.state_dict.get_model_state_dict)")
         if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
             warnings.warn(_AUTOCAST, stacklevel=2)
         program = self._find(self._key(args, kwargs))
@@ -292,46 +310,8 @@ class ParallelModule(nn.Module):
         return pytree.tree_unflatten(list(outs), captured.out_spec)
 
     def _feeds(self, flat: list) -> list:
-        """The program's inputs: the weights, buffers and constants it reads, then the call's inputs."""
-        captured, plan, rank = self._active.captured, self.plan, self._active.rank
-        inputs = iter(self._local_inputs(flat))
-        feeds = []
-        for node in captured.gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            if node.name in captured.params:
-                feeds.append(self._weight(node.name))
-            elif node.name in captured.buffers and _has_buffer(self._model, captured.buffers[node.name]):
-                # The module's own buffer (made real from meta, or loaded) over export's copy of it.
-                buf = self._model.get_buffer(captured.buffers[node.name])
-                if captured.buffers[node.name] in captured.mutated_buffers:
-                    buf = buf.clone()  # written back below, while autograd may still hold the old value
-                feeds.append(local_view(buf, plan.node(node.name).output, self.mesh.sizes, rank.coord))
-            elif node.name in captured.constants:
-                feeds.append(captured.constants[node.name])
-            else:
-                feeds.append(next(inputs))
-        return feeds
-
-    def _weight(self, placeholder: str) -> torch.Tensor | None:
-        """A weight as the program reads it: this rank's tensor in the compute dtype; under FSDP's units the
-        root's gathered one, None for a layer's (its unit feeds it to the layer's piece), and this rank's
-        tensor for one FSDP leaves whole (a scalar)."""
-        local = self._local_parameter(self._active.captured.params[placeholder])  # (checks it is still parallelize's)
-        if self._units is not None:
-            local = self._units.feed(placeholder, local)
-        return None if local is None else self._compute_copy(local)
-
-    def _local_parameter(self, fqn: str) -> torch.Tensor:
-        """This rank's shard of parameter `fqn`; a clear error if it was replaced by a plain tensor."""
-        p = self.get_parameter(fqn)
-        if not isinstance(p, DTensor):
-            placed = dict(zip(self.mesh.axis_names, self.plan.param_placements.get(fqn, ())))
-            raise ValueError(f"parameter {fqn!r} is a plain {type(p).__name__} of shape {tuple(p.shape)}, not the "
-                             f"DTensor parallelize made of it (placed {placed} on the mesh axes): it was assigned "
-                             "after parallelize. Assign it before parallelize, or set its values in place "
-                             "(pmodel.load_state_dict, or copy_ under torch.no_grad())")
-        return p.to_local()
+        """The active program's inputs for the call's flat inputs (runtime/feeds.py)."""
+        return program_feeds(self._model, self._active, flat, local_inputs=self._local_inputs_given)
 
     def _as_dtensors(self, outs: list) -> list:
         """Beside a returned loss, the outputs the plan leaves sharded (logits), as DTensors: whole on
@@ -346,31 +326,6 @@ class ParallelModule(nn.Module):
             if sharded and i not in sharded and isinstance(out, torch.Tensor) and out.requires_grad:
                 outs[i] = _WholeGradient.apply(out)
         return outs
-
-    def _compute_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A floating parameter or input in the dtype the graph computes in (mixed precision)."""
-        if self.precision.mixed and t.is_floating_point():
-            return t.to(self.precision.param_dtype)  # differentiable: the gradient comes back in t's dtype
-        return t
-
-    def _local_inputs(self, flat: list) -> list:
-        """The user's inputs as the graph wants them: this rank's shards."""
-        given_local = self._local_inputs_given
-        out = []
-        captured, rank = self._active.captured, self._active.rank
-        for x, name, pl, shape in zip(flat, captured.inputs, self.plan.input_placements, captured.input_shapes):
-            if not isinstance(x, torch.Tensor) or pl is None:
-                out.append(x)
-                continue
-            want = local_shape(shape, pl, self.mesh.sizes, rank.coord) if given_local else shape
-            if tuple(x.shape) != tuple(want):
-                what = "this rank's shard" if given_local else "the whole input"
-                raise ValueError(f"input {name!r} has shape {tuple(x.shape)} but the plan expects "
-                                 f"{what} of shape {tuple(want)}: pass inputs shaped like the example "
-                                 "inputs (other shapes are planned again only for whole inputs)")
-            out.append(self._compute_copy(x if given_local else _slice(x, pl, rank)))
-        return out
-
 
 class _WholeGradient(torch.autograd.Function):
     """Identity; a gradient that arrives as a DTensor (a plain loss added to a DTensor's term makes one)
@@ -428,22 +383,3 @@ def _whole_values_as_shards(module: nn.Module, state_dict: dict, prefix: str, *a
                 continue  # load_state_dict reports the size mismatch itself
             state_dict[prefix + name] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements,
                                                           src_data_rank=None)
-
-
-def _slice(x: torch.Tensor, placements, rank: RankView) -> torch.Tensor:
-    """This rank's shard of a whole input, with a gradient path back to it."""
-    if not x.requires_grad:
-        return local_view(x, placements, rank.mesh.sizes, rank.coord)
-    for a, p in enumerate(placements):
-        ax = rank.axis(a)
-        if isinstance(p, Shard) and ax.size > 1:
-            x = shard_slice(x, dim=p.dim, sizes=chunk_sizes(x.shape[p.dim], ax.size), axis=ax, grad=GradKind.R)
-    return x
-
-
-def _has_buffer(model: nn.Module, fqn: str) -> bool:
-    module, _, name = fqn.rpartition(".")
-    try:
-        return name in model.get_submodule(module)._buffers
-    except AttributeError:
-        return False

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from ..mesh import MeshSpec
 from ..placements import local_shape
 from ..plan import Pipeline
+from ..training import pipe_axis
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -39,20 +42,19 @@ class _ContiguousGradient(torch.autograd.Function):
 
 class StageModule(nn.Module):
     """One stage's program as a PipelineStage runs it: it takes what the stage before sends (the first stage: the
-    model's whole inputs) and returns what it sends on, contiguous. `feed(flat)` turns them into the program's
-    inputs (weights, buffers, this rank's shards); `weights` are the parameters it reads (for zero-bubble
-    schedules, whose weight gradients run apart)."""
+    model's whole inputs) and returns what it sends on, contiguous. `call(flat)` runs the program on them;
+    `weights` are the parameters it reads (zero-bubble schedules run their gradients apart)."""
 
-    def __init__(self, run: Callable, feed: Callable[[list], list], weights: Sequence[nn.Parameter], first: bool):
+    def __init__(self, call: Callable[[list], tuple], weights: Sequence[nn.Parameter], first: bool):
         super().__init__()
-        self.run, self.feed, self.first = run, feed, first
+        self.call, self.first = call, first
         for k, p in enumerate(weights):
             self.register_parameter(f"w{k}", p)
 
     def forward(self, *args, **kwargs):
         flat = pytree.tree_leaves((args, kwargs)) if self.first else list(args)
         flat = [_ContiguousGradient.apply(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in flat]
-        return tuple(o.contiguous() for o in self.run(*self.feed(flat)))
+        return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in self.call(flat))
 
 
 def meta_like(values: Sequence[torch.Tensor], placements, mesh_sizes, coord, *, grad: bool) -> tuple:
@@ -73,8 +75,10 @@ class PipelineRun:
     schedule: object
     stage_indices: tuple[int, ...]
     group: dist.ProcessGroup
-    # per weight read on several pipe ranks: this rank's copy (None: it holds none), its local shape and dtype
-    tied: tuple[tuple[nn.Parameter | None, tuple[int, ...], torch.dtype], ...] = ()
+    model: nn.Module
+    # per weight read on several pipe ranks: its name here (None: this rank holds none), local shape and dtype
+    tied: tuple[tuple[str | None, tuple[int, ...], torch.dtype], ...] = ()
+    programs: tuple = ()  # this rank's stages' Programs
 
     @property
     def has_first(self) -> bool:
@@ -102,10 +106,30 @@ class PipelineRun:
     def _sum_tied_gradients(self) -> None:
         """A weight read on several pipe ranks: each holds a copy whose gradient is its stages' share; sum them
         over the pipe axis (ranks without the weight add zeros) so that every copy steps alike."""
-        for p, shape, dtype in self.tied:
-            grad = p.grad if p is not None else None
+        for fqn, shape, dtype in self.tied:
+            grad = self.model.get_parameter(fqn).grad if fqn is not None else None
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             dist.all_reduce(local if local is not None else torch.zeros(shape, dtype=dtype), group=self.group)
+
+
+def stage_device_mesh(device_mesh, mesh: MeshSpec):
+    """The DeviceMesh a stage's weights are DTensors on: the mesh without its pipe axis; a 1-rank mesh (the pipe
+    axis split off as a size-1 'tensor' axis, made by every rank) when there is no other axis."""
+    axis = pipe_axis(mesh)
+    names = tuple(n for a, n in enumerate(mesh.axis_names) if a != axis)
+    if names:
+        return device_mesh[names if len(names) > 1 else names[0]]
+    flat = device_mesh.mesh.reshape(-1, 1)
+    return DeviceMesh(device_mesh.device_type, flat, mesh_dim_names=(mesh.axis_names[axis], "tensor"))["tensor"]
+
+
+def drop_parameters(model: nn.Module, keep: set[str]) -> None:
+    """Every parameter of `model` not in `keep` (FQNs) removed: another pipe rank's stages hold it."""
+    kept = {id(model.get_parameter(fqn)) for fqn in keep}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in kept:
+                module._parameters[name] = None
 
 
 def make_stage(module: StageModule, index: int, count: int, device: torch.device, group, inputs: tuple,
@@ -136,3 +160,22 @@ def loss_of(output) -> torch.Tensor:
                          "`.loss` (a Hugging Face model given labels=); wrap the model in a Module whose forward "
                          "returns the loss")
     return loss
+
+
+def batch_size(args: tuple, kwargs: dict) -> int:
+    """The batch: dim 0 of the first tensor input (what microbatches split)."""
+    for x in pytree.tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor) and x.ndim > 0:
+            return x.shape[0]
+    raise ValueError("microbatches split the inputs along their first dim, and the model takes no tensor with one")
+
+
+def split_microbatches(args: tuple, kwargs: dict, microbatches: int) -> list[tuple[tuple, dict]]:
+    """`microbatches` equal slices of every tensor input along dim 0 (others as they are)."""
+    batch = batch_size(args, kwargs)
+    if batch % microbatches:
+        raise ValueError(f"microbatches={microbatches} does not divide the batch of {batch} (dim 0 of the inputs): "
+                         "give a number of microbatches that divides the batch, or a batch it divides")
+    rows = batch // microbatches
+    return [pytree.tree_map(lambda x, k=k: x[k * rows:(k + 1) * rows] if isinstance(x, torch.Tensor) and x.ndim > 0
+                            else x, (args, kwargs)) for k in range(microbatches)]

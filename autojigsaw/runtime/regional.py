@@ -9,6 +9,7 @@ layers: 51 s against 73 s; 4 layers: 68 s against 57 s; docs/benchmarks.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
+
+from .fsdp import FsdpUnits
 
 
 def compile_pieces(split: GraphModule, compiled: Callable[[nn.Module], nn.Module]) -> dict[str, nn.Module]:
@@ -56,3 +59,19 @@ class _Ref(int):
 
     def __repr__(self):
         return f"%{int(self)}"
+
+
+def runnable(split: torch.fx.GraphModule, pieces, units: FsdpUnits | None, compile: bool | str) -> torch.nn.Module:
+    """What runs the rewritten graph (split in layers): compiled whole, or under FSDP's units, whose hooks
+    run between the pieces, each piece compiled on its own."""
+    if units is not None and pieces:
+        units.wrap(split, pieces, compile_pieces(split, functools.partial(compiled, compile=compile)))
+        return split
+    return compiled(split, compile)
+
+
+def compiled(gm: torch.fx.GraphModule, compile: bool | str) -> torch.nn.Module:
+    """gm under torch.compile (fullgraph), with the backend `compile` names; gm itself if False."""
+    if not compile:
+        return gm
+    return torch.compile(gm, fullgraph=True, backend=compile if isinstance(compile, str) else "inductor")

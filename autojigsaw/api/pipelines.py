@@ -1,0 +1,192 @@
+"""Microbatches: a pipeline over a pipe axis, and gradient accumulation without one.
+
+`plan` with a pipe axis captures the model at each candidate microbatch (the first dim of its example
+inputs split) and hands planner/pipeline.py a stage planner: `plan_captured` with the stage's values
+between stages pinned and its microbatches in flight. `parallelize` agrees on the model as ever,
+plans on rank 0, then each rank captures the chosen microbatch, cuts it at the plan's stages, keeps
+only its stages' weights (sharded over the mesh without the pipe axis) and builds a Program per
+stage, which runtime/pipeline.py runs under PyTorch's schedule. Without a pipe axis, `microbatches`
+plans one microbatch and prices the step as that many, one after another, then one optimizer step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from ..capture import Captured, refuse_backward_hooks
+from ..capture.stages import cut, layer_stack
+from ..cost_model.schedule import SCHEDULES, SINGLE, schedule_name
+from ..dtypes import value_carries_grad
+from ..mesh import MeshSpec, RankView
+from ..options import Options
+from ..placements import local_shape
+from ..plan import Pipeline, Plan
+from ..planner.pipeline import PipelineChoice, plan_pipeline, stage_work
+from ..rewrite.recompute import split_layers
+from ..rewrite.rewrite import rewrite
+from ..runtime.checks import check_agreement, check_group, program_facts
+from ..runtime.feeds import program_feeds
+from ..runtime.fsdp import shard_in_units
+from ..runtime.materialize import materialize_model
+from ..runtime.one_plan import planned_on_rank0
+from ..runtime.one_program import follow_rank0_order
+from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_parameters, loss_reader, make_stage,
+                                meta_like, split_microbatches, stage_device_mesh)
+from ..runtime.program import Program
+from ..runtime.regional import runnable
+from ..runtime.same_values import check_same_values, values_to_agree
+from ..training import stage_mesh
+from .recipe import capture_for, plan_captured
+
+
+def microbatch_of(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
+    """The first of `microbatches` equal slices of every tensor input along dim 0 (what a program is planned at)."""
+    return split_microbatches(args, kwargs, microbatches)[0]
+
+
+def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec, options: Options) -> Plan:
+    """The plan of `model` over `mesh`'s pipe axis (stages, schedule, microbatches chosen or as imposed)."""
+    if options.input_placements is not None or options.output_placements is not None:
+        raise ValueError("input_placements and output_placements place a whole model's inputs and outputs; with a pipe "
+                         "axis the first stage takes the inputs and the last returns the outputs: drop them")
+    sub = stage_mesh(mesh)
+    regime = options.regime(sub)
+    device = options.device_spec()
+    budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
+    choice = PipelineChoice(None if options.pipeline_schedule is None else schedule_name(options.pipeline_schedule),
+                            options.microbatches, options.virtual_stages)
+    stage_options = replace(options, pipeline_schedule=None, microbatches=None, virtual_stages=None)
+
+    @functools.lru_cache(maxsize=None)
+    def capture_at(m: int) -> Captured:
+        return capture_for(model, *microbatch_of(args, kwargs, m), regime)
+
+    def plan_stage(captured, stage_mesh_, ins, outs, stage_budget, in_flight, pinned):
+        opts = replace(stage_options, input_placements=ins, output_placements=outs, memory_budget=stage_budget)
+        return plan_captured(captured, stage_mesh_, opts, pinned, in_flight=in_flight)
+
+    return plan_pipeline(capture_at, plan_stage, mesh, choice, budget=budget, batch=batch_size(args, kwargs),
+                         device=device)
+
+
+def accumulated(plan: Plan, captured: Captured, microbatches: int) -> Plan:
+    """A plan of one microbatch priced as `microbatches` of them run one after another, then one optimizer
+    step (gradients accumulate in place: memory as for one)."""
+    if microbatches == 1:
+        return plan
+    forward, backward, _, per_step = stage_work(plan, captured)
+    return replace(plan, step_time=microbatches * (forward + backward) + per_step, microbatches=microbatches,
+                   comm_bytes=plan.comm_bytes * microbatches)
+
+
+def starts_of(plan: Plan, captured: Captured) -> list[int]:
+    """The first layer of each of the plan's stages, as positions in the model's layer stack."""
+    index = {name: k for k, name in enumerate(layer_stack(captured))}
+    try:
+        return [index[st.layers[0]] for st in plan.pipeline.stages]
+    except KeyError as e:
+        raise ValueError(f"the plan's pipeline stages run layer {e}, which this model does not have: plan it "
+                         "again with this model") from None
+
+
+def build_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, plan: Plan | None,
+                   options: Options, compile: bool | str) -> tuple[Plan, PipelineRun]:
+    """This rank's part of a pipelined model: the plan (made on rank 0 unless given) and its stages, ready to step."""
+    mesh = MeshSpec.of(device_mesh)
+    check_group(device_mesh, mesh)
+    refuse_backward_hooks(model)
+    sub, regime = stage_mesh(mesh), options.regime(stage_mesh(mesh))
+    whole = capture_for(model, args, kwargs, regime)
+    follow_rank0_order(whole)
+    plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
+    check_agreement({**program_facts(whole), "plan": plan_fact, "options": options.describe()})
+    if plan is None:
+        plan = planned_on_rank0(lambda: plan_pipelined(model, args, kwargs, mesh, options))
+    if plan.pipeline is None or plan.mesh != mesh:
+        raise ValueError(f"the plan was made for mesh {plan.mesh.describe()} without this pipe axis: plan again for "
+                         f"{mesh.describe()}")
+    check_same_values(values_to_agree(model, whole, args, kwargs, weights=True, whole_inputs=True))
+    pipeline = plan.pipeline
+    captured = capture_for(model, *microbatch_of(args, kwargs, pipeline.microbatches), regime)
+    follow_rank0_order(captured)
+    programs = cut(captured, starts_of(plan, captured))
+    stage_dm = stage_device_mesh(device_mesh, mesh)
+    rank = RankView.of(stage_dm, sub)
+    me = device_mesh.get_local_rank(pipeline.axis)
+    mine = pipeline.stages_of(me)
+    tied = _tied(model, pipeline, rank, me)
+    weights = {fqn: pl for st in mine for fqn, pl in st.plan.param_placements.items()}
+    materialize_model(model, weights, stage_dm, rank.coord)
+    drop_parameters(model, keep=set(weights))
+    built = [_stage_program(model, programs[st.index], st.plan, rank, stage_dm, regime, options, compile)
+             for st in mine]
+    stages = [make_stage(StageModule(functools.partial(_call, model, p, st.index > 0),
+                                     [model.get_parameter(fqn) for fqn in sorted(set(p.captured.params.values()))],
+                                     first=st.index == 0),
+                         st.index, len(pipeline.stages), torch.device(device_mesh.device_type),
+                         device_mesh.get_group(pipeline.axis), *_metas(p, st.index, args, pipeline.microbatches))
+              for st, p in zip(mine, built)]
+    cls = SCHEDULES[pipeline.schedule]
+    schedule = cls(stages[0] if pipeline.schedule in SINGLE else stages, n_microbatches=pipeline.microbatches,
+                   loss_fn=loss_reader(captured.out_spec))
+    run = PipelineRun(pipeline, schedule, tuple(st.index for st in mine), device_mesh.get_group(pipeline.axis), model,
+                      tied, tuple(built))
+    return plan, run
+
+
+def _call(model: torch.nn.Module, program: Program, received: bool, flat: list) -> tuple:
+    """A stage program's outputs for the flat inputs the stage receives (within FSDP's root unit, if any): the
+    first stage's whole inputs, sliced here; the others' (`received`) shards, as the stage before sent them."""
+    def run():
+        return program.run(*program_feeds(model, program, flat, local_inputs=received))
+
+    return run() if program.units is None else program.units.run(run)
+
+
+def _stage_program(model, program, plan: Plan, rank: RankView, stage_dm, regime, options: Options,
+                   compile: bool | str) -> Program:
+    """One stage's Program on this rank: FSDP's units over its weights, its rewritten graph, compiled."""
+    captured = program.captured
+    units = shard_in_units(model, captured, stage_dm, regime)
+    first = program.index == 0
+    differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values)
+                               if (value_carries_grad(v) if first else v.is_floating_point()))
+    gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
+    split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
+    return Program(captured, plan, rank, gm, runnable(split, pieces, units, compile), regime.precision, None, units)
+
+
+def _metas(program: Program, index: int, args: tuple, microbatches: int) -> tuple[tuple, tuple]:
+    """What a stage receives and sends, as meta tensors of this rank's shapes (its first stage: the whole
+    microbatch of the positional inputs)."""
+    captured, plan, rank = program.captured, program.plan, program.rank
+    if index == 0:
+        rows = batch_size(args, {}) // microbatches
+        ins = tuple(torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device="meta") for x in args
+                    if isinstance(x, torch.Tensor))
+    else:
+        ins = meta_like(captured.input_values, plan.input_placements, rank.mesh.sizes, rank.coord, grad=True)
+    outputs = [a.meta["val"] for a in captured.gm.graph.output_node().args[0]]
+    outs = meta_like(outputs, plan.output_placements, rank.mesh.sizes, rank.coord, grad=True)
+    return ins, outs
+
+
+def _tied(model: torch.nn.Module, pipeline: Pipeline, rank: RankView, me: int) -> tuple:
+    """Per weight that stages on several pipe ranks read: this rank's copy (None: it holds none), its local
+    shape and dtype (every rank of the pipe axis takes part in summing its gradient)."""
+    ranks: dict[str, set[int]] = {}
+    placed = {}
+    for st in pipeline.stages:
+        for fqn, pl in st.plan.param_placements.items():
+            ranks.setdefault(fqn, set()).add(st.rank)
+            placed[fqn] = pl
+    out = []
+    for fqn in sorted(f for f, r in ranks.items() if len(r) > 1):
+        p = model.get_parameter(fqn)
+        shape = local_shape(tuple(p.shape), placed[fqn], rank.mesh.sizes, rank.coord)
+        out.append((fqn if me in ranks[fqn] else None, shape, p.dtype))
+    return tuple(out)
+
