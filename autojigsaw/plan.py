@@ -15,8 +15,9 @@ from tabulate import tabulate
 
 from .mesh import MeshSpec
 from .modules import layer_of, short_paths
+from .pipeline import STAGE_FIELDS, Pipeline, StagePlan
 from .placements import Placements, format_placements, parse_placements
-from .plan_text import MODULE_WIDTH, kernel_cell, legend, narrow_table, placements_cell, short_op, wrapped
+from .plan_text import format_bytes, format_seconds, span_name, stages_table, MODULE_WIDTH, kernel_cell, legend, narrow_table, placements_cell, short_op, wrapped
 
 SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
 
@@ -149,6 +150,8 @@ class Plan:
         one row per graph node), rows for everything else, so that each column sums to TOTAL.
         Its lines fit 120 characters: module, op, placements, kernel, comm/rank and time columns;
         `wide=True`: every column (node, shapes, comm time, compute, memory, note), lines unwrapped."""
+        if self.pipeline is not None:
+            return self._pipeline_table(every_node=every_node, wide=wide)
         shown = [n for n in self.nodes if every_node or n.kind in SHOWN_KINDS or n.fallback]
         groups = _collapsed(shown) if not every_node else [[n] for n in shown]
         hidden = [n for n in self.nodes if n not in set(shown)]
@@ -193,6 +196,22 @@ class Plan:
         footer = self._summary() + "\n" + legend(self.mesh.axis_names, fsdp=self.data_parallel == "fsdp")
         return narrow_table(rows) + "\n" + wrapped(footer)
 
+    def _pipeline_table(self, *, every_node: bool, wide: bool) -> str:
+        """A pipelined plan: its schedule and a row per stage, then each kind of stage's own table (the first,
+        the middle ones alike, the last), each per microbatch, then the step's summary."""
+        pipe = self.pipeline
+        parts = [wrapped(f"pipeline over {pipe.axis}={pipe.ranks}: {pipe.schedule}, {pipe.microbatches} microbatch(es) "
+                         f"per data replica and step, {pipe.virtual_stages} stage(s) per rank; bubble "
+                         f"{pipe.bubble:.1%}" + (f"; FSDP gathers {pipe.fsdp_gathers}" if pipe.fsdp_gathers else "")),
+                 stages_table(pipe.stages)]
+        shown = {}
+        for st in pipe.stages:
+            shown.setdefault((len(st.layers), st.index == 0, st.index == len(pipe.stages) - 1), st)
+        for st in shown.values():
+            parts.append(f"\nstage {st.index} ({span_name(st.layers)}) on {pipe.axis} rank {st.rank}, per microbatch:")
+            parts.append(st.plan.table(every_node=every_node, wide=wide))
+        return "\n".join(parts) + "\n\n" + wrapped(self._summary())
+
     def _summary(self) -> str:
         """The lines under the table: mesh, regime, predicted step, traffic and peak; layout; precision."""
         budget = f" of {format_bytes(self.memory_budget)} budget" if self.memory_budget else ""
@@ -208,6 +227,10 @@ class Plan:
 
     def layout(self) -> str:
         """The chosen layout per mesh axis, in words ("tensor: 12/14 weights split, activations split")."""
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            return (f"{pipe.axis}: {len(pipe.stages)} stages on {pipe.ranks} ranks; "
+                    + pipe.stages[0].plan.layout().replace("replicated:", "stages replicated:"))
         parts, anything = [], False
         weights = [n for n in self.nodes if n.kind == "param" and n.output]
         for a, axis in enumerate(self.mesh.axis_names):
@@ -253,6 +276,10 @@ class Plan:
     # ------------------------------------------------------------ JSON
 
     def to_json(self) -> str:
+        return json.dumps(self.as_data(), indent=1)
+
+    def as_data(self) -> dict:
+        """The plan as plain JSON data (placements as text): what to_json writes."""
         def pl(p):
             return None if p is None else format_placements(p)
 
@@ -269,12 +296,23 @@ class Plan:
             "nodes": [{**asdict(n), "inputs": [pl(p) for p in n.inputs],
                        "outputs": [pl(p) for p in n.outputs]} for n in self.nodes],
         }
-        return json.dumps(data, indent=1)
+        if self.microbatches != 1:
+            data["microbatches"] = self.microbatches
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            data["pipeline"] = {**{k: getattr(pipe, k) for k in ("axis", "schedule", "microbatches", "virtual_stages",
+                                                                 "bubble", "fsdp_gathers")},
+                                "stages": [{**{k: getattr(st, k) for k in STAGE_FIELDS}, "plan": st.plan.as_data()}
+                                           for st in pipe.stages]}
+        return data
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        d = json.loads(text)
+        return cls.from_data(json.loads(text))
 
+    @classmethod
+    def from_data(cls, d: dict) -> Plan:
+        """The plan `as_data` gave."""
         def pl(s):
             return None if s is None else parse_placements(s)
 
@@ -285,6 +323,11 @@ class Plan:
                             "outputs": tuple(pl(p) for p in n["outputs"])})
             for n in d["nodes"]
         )
+        pipe = d.get("pipeline")
+        pipeline = None if pipe is None else Pipeline(
+            **{k: v for k, v in pipe.items() if k != "stages"},
+            stages=tuple(StagePlan(**{**{k: st[k] for k in STAGE_FIELDS}, "layers": tuple(st["layers"])},
+                                   plan=cls.from_data(st["plan"])) for st in pipe["stages"]))
         return cls(
             mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["sizes"])),
             device=d["device"], training=d["training"], nodes=nodes,
@@ -294,7 +337,7 @@ class Plan:
             memory_per_rank=d["memory_per_rank"], comm_bytes=d["comm_bytes"],
             step_time=d["step_time"], memory_budget=d["memory_budget"], peak_at=d.get("peak_at", ""),
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
-            data_parallel=d.get("data_parallel"),
+            data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1), pipeline=pipeline,
         )
 
 
@@ -347,66 +390,3 @@ def _group_name(group: list[NodeSharding]) -> str:
 def _costs(group: list[NodeSharding]) -> tuple[str, str]:
     """Bytes sent per rank and seconds (comm + compute) of a row's nodes."""
     return format_bytes(sum(n.comm_bytes for n in group)), format_seconds(sum(n.comm_s + n.compute_s for n in group))
-
-
-def format_bytes(n: float | None) -> str:
-    """Bytes in B, KiB, MiB, GiB or TiB."""
-    if not n:
-        return "0"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def format_seconds(s: float) -> str:
-    """Seconds in us, ms or s."""
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """One pipeline stage: the layers it runs, the pipe rank that runs it, and its plan on the other axes.
-
-    `plan` shards the stage's program over the mesh without the pipe axis and is priced per
-    microbatch; `forward_s`, `backward_s` (both gradients) and `weight_s` (the weight gradient's share,
-    which zero-bubble schedules run apart) are seconds per microbatch; `send_bytes` what it sends the
-    next stage per microbatch (its gradient comes back as large); `in_flight` the most microbatches
-    whose activations it holds at once under the schedule.
-    """
-
-    index: int
-    rank: int
-    layers: tuple[str, ...]
-    plan: Plan
-    forward_s: float
-    backward_s: float
-    weight_s: float = 0.0
-    send_bytes: int = 0
-    in_flight: int = 1
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """How a plan runs over its pipe axis: PyTorch's schedule, microbatches per data replica and step,
-    virtual stages per rank, the stages in order, and the share of the step the busiest rank waits."""
-
-    axis: str
-    schedule: str
-    microbatches: int
-    virtual_stages: int
-    stages: tuple[StagePlan, ...]
-    bubble: float = 0.0
-    fsdp_gathers: str = ""  # "once per step" under FSDP (PyTorch's schedules keep a stage's weights gathered)
-
-    @property
-    def ranks(self) -> int:
-        return len(self.stages) // self.virtual_stages
-
-    def stages_of(self, rank: int) -> tuple[StagePlan, ...]:
-        """The stages pipe rank `rank` runs, in stage order."""
-        return tuple(s for s in self.stages if s.rank == rank)

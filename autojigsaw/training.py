@@ -81,6 +81,9 @@ class Regime:
     precision: Precision = Precision()
     recompute: RecomputePolicy = "none"
     data_parallel: DataParallel | None = None  # on the mesh's data axis; None: no data axis
+    # FSDP gathers the weights once per step and keeps them (and their unsharded gradients) to its end, as a
+    # pipeline stage does under PyTorch's schedules; else each layer's for its forward and again its backward
+    fsdp_once: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_CHOICES:

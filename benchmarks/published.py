@@ -89,9 +89,14 @@ def plan_options(run: PublishedRun) -> tuple[dict, torch.dtype | None, list[str]
         options["activation_checkpointing"] = run.recompute
     elif run.recompute != "none":
         notes.append(f"no activation_checkpointing: {run.recompute} recomputation not applied")
-    # The loss comes back whole; the logits stay wherever the planner puts them (a training loop
-    # reads the loss only), as in the published runs, whose models never return them.
-    options["output_placements"] = [tuple(Replicate() for _ in run.mesh), None]
+    if run.schedule is not None:  # the last stage returns the loss whole beside the logits, as planned
+        replicas = run.mesh.get("data", 1)
+        options.update(pipeline_schedule=run.schedule, virtual_stages=run.virtual_stages,
+                       microbatches=run.global_batch // replicas // run.microbatch)
+    else:
+        # The loss comes back whole; the logits stay wherever the planner puts them (a training loop
+        # reads the loss only), as in the published runs, whose models never return them.
+        options["output_placements"] = [tuple(Replicate() for _ in run.mesh), None]
     if "data_parallel" in _PARAMS:
         if "data" in run.mesh:
             options["data_parallel"] = run.data_parallel

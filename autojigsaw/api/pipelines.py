@@ -24,7 +24,7 @@ from ..mesh import MeshSpec, RankView
 from ..options import Options
 from ..placements import local_shape
 from ..plan import Pipeline, Plan
-from ..planner.pipeline import PipelineChoice, plan_pipeline, stage_work
+from ..planner.pipeline import NO_BUDGET, PipelineChoice, plan_pipeline, stage_work
 from ..rewrite.recompute import split_layers
 from ..rewrite.rewrite import rewrite
 from ..runtime.checks import check_agreement, check_group, program_facts
@@ -60,16 +60,20 @@ def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh
                             options.microbatches, options.virtual_stages)
     stage_options = replace(options, pipeline_schedule=None, microbatches=None, virtual_stages=None)
 
-    @functools.lru_cache(maxsize=None)
-    def capture_at(m: int) -> Captured:
-        return capture_for(model, *microbatch_of(args, kwargs, m), regime)
-
     def plan_stage(captured, stage_mesh_, ins, outs, stage_budget, in_flight, pinned):
         opts = replace(stage_options, input_placements=ins, output_placements=outs, memory_budget=stage_budget)
-        return plan_captured(captured, stage_mesh_, opts, pinned, in_flight=in_flight)
+        return plan_captured(captured, stage_mesh_, opts, pinned, in_flight=in_flight, stage=True)
 
-    return plan_pipeline(capture_at, plan_stage, mesh, choice, budget=budget, batch=batch_size(args, kwargs),
+    @functools.lru_cache(maxsize=None)
+    def whole_at(m: int) -> tuple[Captured, Plan]:
+        """The model captured at one microbatch of m (as parallelize will), planned whole on the stage mesh
+        with no budget."""
+        captured = capture_for(model, *microbatch_of(args, kwargs, m), regime)
+        return captured, plan_stage(captured, sub, None, None, NO_BUDGET, 1, {})
+
+    return plan_pipeline(whole_at, plan_stage, mesh, choice, budget=budget, batch=batch_size(args, kwargs),
                          device=device)
+
 
 
 def accumulated(plan: Plan, captured: Captured, microbatches: int) -> Plan:

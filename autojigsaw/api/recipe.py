@@ -61,16 +61,18 @@ def _symbolic(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime)
 
 
 def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options(),
-                  pinned: dict[str, Placements] | None = None, *, in_flight: int = 1) -> Plan:
+                  pinned: dict[str, Placements] | None = None, *, in_flight: int = 1, stage: bool = False) -> Plan:
     """The planning stages on an already captured graph: strategies, costs, solve, Plan.
 
     `options`: an autojigsaw.Options (its `dynamic` is the capture's, not read here);
     `pinned`: placeholder name -> placements every strategy must keep (parameters already sharded).
-    `in_flight`: microbatches whose saved activations are held at once (a pipeline stage's).
+    `in_flight`: microbatches whose saved activations are held at once; `stage`: the graph is a pipeline
+    stage's (FSDP gathers its weights once per step and keeps them, training.Regime.fsdp_once).
 
         plan = plan_captured(capture(model, (x,)), MeshSpec.of({"tensor": 2}), Options(device="cpu"))
     """
     device, regime = options.device_spec(), options.regime(mesh)
+    regime = replace(regime, fsdp_once=stage and regime.fsdp)
     budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
     t0 = time.perf_counter()
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}

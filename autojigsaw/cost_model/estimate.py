@@ -58,11 +58,13 @@ class CostContext:
         axis, itemsize = self.fsdp_axis, value.dtype.itemsize
         return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
                               fsdp_ranks=self.mesh.sizes[axis] if axis is not None and fsdp_shards(value) else 1,
-                              reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize))
+                              reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize),
+                              kept_gathered=self.regime.fsdp_once)
 
     def fsdp_comm(self, nbytes, value, trained: bool = True):
         """(seconds, bytes sent) of FSDP's traffic for a parameter (its graph value) of `nbytes` local compute
-        bytes: gathered for forward and again for backward, its gradient reduce-scattered if it is `trained`."""
+        bytes: gathered for forward and again for backward (once, under `regime.fsdp_once`), its gradient
+        reduce-scattered if it is `trained`."""
         axis, itemsize = self.fsdp_axis, value.dtype.itemsize
         if axis is None or not self.training or not fsdp_shards(value):
             return 0.0, 0
@@ -72,8 +74,9 @@ class CostContext:
         def one(kind, b):
             return collective_time(kind, b, n, link.latency_s, link.bandwidth, tree=self.device.tree_all_reduce)
 
-        time = 2 * one("all_gather", nbytes / n) + (one("reduce_scatter", grad_bytes) if trained else 0.0)
-        sent = 2 * nbytes * (n - 1) / n + grad_bytes * (n - 1) / n
+        gathers = 1 if self.regime.fsdp_once else 2  # forward and again backward, or once for the step
+        time = gathers * one("all_gather", nbytes / n) + (one("reduce_scatter", grad_bytes) if trained else 0.0)
+        sent = gathers * nbytes * (n - 1) / n + grad_bytes * (n - 1) / n
         return time, sent
 
     def link(self, axis: int):

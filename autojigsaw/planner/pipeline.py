@@ -65,42 +65,70 @@ class LayerCosts:
     weight: np.ndarray
     saved: np.ndarray  # bytes each holds from its forward to its backward
     held: np.ndarray  # bytes of weights, gradients and optimizer state
+    per_step: np.ndarray  # seconds once per step: the optimizer's, FSDP's exposed traffic
     send: float  # bytes crossing a layer boundary
 
+    def scaled(self, rows: float) -> LayerCosts:
+        """The costs at `rows` times the microbatch: its work, saved activations and sends scale; its weights and
+        per-step work do not (an estimate: a larger microbatch runs its matmuls no less efficiently)."""
+        return replace(self, forward=self.forward * rows, backward=self.backward * rows, weight=self.weight * rows,
+                       saved=self.saved * rows, send=self.send * rows)
+
     def stage(self, first: int, stop: int, count_before: bool, count_after: bool) -> tuple[float, ...]:
-        """(forward, backward, weight, saved, held) of layers [first, stop) with the extras as asked."""
+        """(forward, backward, weight, saved, held, per_step) of layers [first, stop) with the extras as asked."""
         idx = [0] * count_before + list(range(first + 1, stop + 1)) + [len(self.layers) + 1] * count_after
-        return tuple(float(a[idx].sum()) for a in (self.forward, self.backward, self.weight, self.saved, self.held))
+        return tuple(float(a[idx].sum()) for a in (self.forward, self.backward, self.weight, self.saved, self.held,
+                                                   self.per_step))
 
 
-def plan_pipeline(capture_at: Callable[[int], Captured], plan_stage: PlanStage, mesh: MeshSpec, choice: PipelineChoice,
-                  *, budget: int, batch: int, device: DeviceSpec, user_inputs: list | None = None) -> Plan:
-    """The fastest pipelined plan of the model on `mesh` (which has a pipe axis) that fits `budget` per rank.
+@dataclass(frozen=True)
+class Candidate:
+    """A schedule estimated from layer costs: the estimate, microbatches, schedule and virtual stages."""
 
-    `capture_at(m)`: the model captured at one microbatch of `m`; `batch`: the example's batch (dim 0),
-    split over the data axis and then into microbatches; `user_inputs`: placements the user pinned.
-    """
+    estimate: Estimate
+    microbatches: int
+    schedule: str
+    virtual: int
+
+
+def estimated(costs_at: Callable[[int], LayerCosts], mesh: MeshSpec, choice: PipelineChoice, *, budget: int,
+              batch: int, device: DeviceSpec) -> list[Candidate]:
+    """Every schedule, virtual stages and microbatches `choice` allows on `mesh`, estimated from `costs_at(m)`
+    (the layers' costs at one microbatch of m): those that fit first, fastest first."""
     axis = pipe_axis(mesh)
-    ranks, sub = mesh.sizes[axis], stage_mesh(mesh)
-    replicas = _data_replicas(mesh)
-    estimates = []
-    for m in microbatch_choices(choice, batch, replicas, ranks):
-        captured = capture_at(m)
-        whole = _whole_plan(plan_stage, captured, sub, user_inputs)
-        costs = layer_costs(whole, captured)
+    ranks = mesh.sizes[axis]
+    link = device.axis_link(mesh.sizes, axis, mesh.axis_names[axis])
+    out = []
+    for m in microbatch_choices(choice, batch, _data_replicas(mesh), ranks):
+        costs = costs_at(m)
         for schedule, virtual in schedule_choices(choice, ranks, len(costs.layers), m):
-            link = device.axis_link(mesh.sizes, axis, mesh.axis_names[axis])
             est = estimate(costs, schedule, ranks, virtual, m, budget, link)
             if est is not None:
-                estimates.append((est, m, schedule, virtual, captured, whole))
-    if not estimates:
+                out.append(Candidate(est, m, schedule, virtual))
+    return sorted(out, key=lambda c: (not c.estimate.fits, c.estimate.step_time))
+
+
+def plan_pipeline(whole_at: Callable[[int], tuple[Captured, Plan]], plan_stage: PlanStage, mesh: MeshSpec,
+                  choice: PipelineChoice, *, budget: int, batch: int, device: DeviceSpec,
+                  user_inputs: list | None = None) -> Plan:
+    """The fastest pipelined plan of the model on `mesh` (which has a pipe axis) that fits `budget` per rank.
+
+    `whole_at(m)`: the model captured at one microbatch of `m` and planned whole on the stage mesh (the
+    finest microbatch's costs estimate the others); `batch`: the example's batch (dim 0), split over the
+    data axis and then into microbatches.
+    """
+    finest = max(microbatch_choices(choice, batch, _data_replicas(mesh), mesh.sizes[pipe_axis(mesh)]))
+    measured = layer_costs(*reversed(whole_at(finest)))  # one capture: the others scaled from it
+    candidates = estimated(lambda m: measured.scaled(finest / m), mesh, choice, budget=budget, batch=batch,
+                           device=device)
+    if not candidates:
         raise ValueError(_nothing_fits(mesh, choice, budget))
-    estimates.sort(key=lambda e: (not e[0].fits, e[0].step_time))
     errors = []
-    for est, m, schedule, virtual, captured, whole in estimates[:EXACT_CANDIDATES]:
+    for c in candidates[:EXACT_CANDIDATES]:
+        captured, whole = whole_at(c.microbatches)
         try:
-            return exact_pipeline(captured, whole, plan_stage, mesh, schedule, virtual, m, est.starts, budget,
-                                  device, user_inputs)
+            return exact_pipeline(captured, whole, plan_stage, mesh, c.schedule, c.virtual, c.microbatches,
+                                  c.estimate.starts, budget, device, user_inputs)
         except ValueError as e:  # a stage that does not fit: the next candidate may
             errors.append(e)
     raise errors[0]
@@ -170,13 +198,6 @@ def _virtual_choices(schedule: str, imposed: int | None, ranks: int, layers: int
     return [v for v in (2, 3, 4) if ranks * v <= layers]
 
 
-def _whole_plan(plan_stage: PlanStage, captured: Captured, sub: MeshSpec, user_inputs) -> Plan:
-    """The whole model planned on the stage mesh, as fast as it runs with no memory budget (a quick
-    solve: the budget is the stages' own): its layers' costs and the placements of the values between
-    layers."""
-    return plan_stage(captured, sub, user_inputs, None, NO_BUDGET, 1, {})
-
-
 def layer_costs(plan: Plan, captured: Captured) -> LayerCosts:
     """Per-microbatch seconds and bytes of each repeated layer, and of what runs before and after them."""
     layers = layer_stack(captured)
@@ -184,7 +205,7 @@ def layer_costs(plan: Plan, captured: Captured) -> LayerCosts:
     graph = {n.name: n for n in captured.gm.graph.nodes}
     order = {name: i for i, name in enumerate(graph)}
     first = min((order[n.name] for n in plan.nodes if _layer(n.module) in slot_of), default=0)
-    sums = np.zeros((5, len(layers) + 2))
+    sums = np.zeros((6, len(layers) + 2))
     recomputed = dict(plan.recompute)
     for ns in plan.nodes:
         node = graph.get(ns.name)
@@ -194,9 +215,13 @@ def layer_costs(plan: Plan, captured: Captured) -> LayerCosts:
             slot = 0 if min(readers + [order.get(ns.name, 0)]) < first else len(layers) + 1
         if ns.kind == "param":
             sums[4, slot] += ns.memory_bytes
+            sums[5, slot] += ns.compute_s + ns.comm_s
             continue
         f, b, w = node_work(ns, node, recomputed.get(_layer(ns.module)), plan.training, captured.params)
         sums[:4, slot] += (f, b, w, ns.memory_bytes)
+    # what the plan's step has beside its nodes (FSDP's hidden traffic taken off) goes with the weights
+    rest = plan.step_time - sum(ns.compute_s + ns.comm_s for ns in plan.nodes)
+    sums[5] += rest * sums[4] / max(sums[4].sum(), 1.0)
     return LayerCosts(tuple(layers), *sums, send=_boundary_bytes(plan, captured, len(layers)))
 
 
@@ -254,11 +279,11 @@ def estimate(costs: LayerCosts, schedule: str, ranks: int, virtual: int, microba
     starts = balanced_starts(costs, in_flight, budget // virtual) or balanced_starts(costs, in_flight, None)
     send = _hop_seconds(costs.send, link)
     parts = [costs.stage(a, b, s == 0, s == stages - 1) for s, (a, b) in enumerate(_spans(starts, len(costs.layers)))]
-    times = [StageTimes(f, b, w, send) for f, b, w, _, _ in parts]
-    saved = [p[3] for p in parts]
-    sim = simulate(schedule, ranks, virtual, microbatches, times, saved)
+    times = [StageTimes(f, b, w, send) for f, b, w, *_ in parts]
+    sim = simulate(schedule, ranks, virtual, microbatches, times, [p[3] for p in parts])
     memory = [sum(parts[s][4] for s in range(stages) if owner[s] == r) + sim.activation_peak[r] for r in range(ranks)]
-    return Estimate(sim.step_time, max(memory), max(memory) <= budget, starts)
+    per_step = max(sum(parts[s][5] for s in range(stages) if owner[s] == r) for r in range(ranks))
+    return Estimate(sim.step_time + per_step, max(memory), max(memory) <= budget, starts)
 
 
 def _spans(starts: Sequence[int], layers: int) -> list[tuple[int, int]]:
