@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -67,42 +66,24 @@ def build(run: PublishedRun) -> torch.nn.Module:
                                                 embd_pdrop=0.0))
 
 
-_PARAMS = inspect.signature(autojigsaw.plan).parameters
 _COMPUTE_DTYPE = {"bf16 mixed": torch.bfloat16, "fp16 mixed": torch.float16}
 
 
-def plan_options(run: PublishedRun) -> tuple[dict, torch.dtype | None, list[str]]:
-    """(keyword options for autojigsaw.plan, dtype to cast the model to or None, fallback notes).
-
-    The one place that says how a run's precision, recomputation and data parallelism are
-    asked for; an option this autojigsaw does not have yet falls back to the closest plan it
-    can express, with a note.
-    """
-    options, notes, cast = {}, [], None
-    dtype = _COMPUTE_DTYPE[run.precision]
-    if "mp_policy" in _PARAMS:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    else:
-        cast = dtype
-        notes.append(f"no mp_policy: model in {str(dtype).removeprefix('torch.')}")
-    if "activation_checkpointing" in _PARAMS:
-        options["activation_checkpointing"] = run.recompute
-    elif run.recompute != "none":
-        notes.append(f"no activation_checkpointing: {run.recompute} recomputation not applied")
-    if run.schedule is not None:  # the last stage returns the loss whole beside the logits, as planned
-        replicas = run.mesh.get("data", 1)
+def plan_options(run: PublishedRun) -> dict:
+    """The keyword options of autojigsaw.plan that say how a run trains: its precision, recomputation,
+    data parallelism, and what comes back whole."""
+    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=_COMPUTE_DTYPE[run.precision], reduce_dtype=torch.float32),
+               "activation_checkpointing": run.recompute,
+               # The loss comes back whole; the logits stay wherever the planner puts them (a training loop
+               # reads the loss only), as in the published runs, whose models never return them.
+               "output_placements": [tuple(Replicate() for _ in run.mesh), None]}
+    if run.schedule is not None:  # over a pipe axis the last stage returns the loss whole beside its logits
+        del options["output_placements"]
         options.update(pipeline_schedule=run.schedule, virtual_stages=run.virtual_stages,
-                       microbatches=run.global_batch // replicas // run.microbatch)
-    else:
-        # The loss comes back whole; the logits stay wherever the planner puts them (a training loop
-        # reads the loss only), as in the published runs, whose models never return them.
-        options["output_placements"] = [tuple(Replicate() for _ in run.mesh), None]
-    if "data_parallel" in _PARAMS:
-        if "data" in run.mesh:
-            options["data_parallel"] = run.data_parallel
-    elif run.data_parallel != "ddp" and "data" in run.mesh:
-        notes.append(f"no data_parallel: {run.data_parallel} priced as a replicated data axis")
-    return options, cast, notes
+                       microbatches=run.global_batch // run.mesh.get("data", 1) // run.microbatch)
+    if "data" in run.mesh:
+        options["data_parallel"] = run.data_parallel
+    return options
 
 
 @dataclass(frozen=True)
@@ -140,9 +121,7 @@ def plan_run(run: PublishedRun) -> Outcome:
     """Plan one run as published (or its closest expressible plan) and predict its numbers."""
     model = build(run)
     fpt = flops_per_token(model, run)
-    options, cast, notes = plan_options(run)
-    if cast is not None:
-        model = model.to(cast)
+    options, notes = plan_options(run), []
     spec = device_spec(run.device)
     spec = spec.compiled() if run.compiled else spec
     ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")

@@ -45,7 +45,7 @@ def test_a_tensor_parallel_run_is_priced_in_its_own_layout():
     every matrix weight is read split over the tensor axis, never gathered there. Left free, the planner
     gathers the weights of this small, long-sequence Llama instead (a layout the runs did not use)."""
     run = tiny(run_named("torchtitan-8b-fsdp8-tp8"))
-    model, (options, _, _) = build(run), plan_options(run)
+    model, options = build(run), plan_options(run)
     ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")
 
     def weight_reads(plan):
