@@ -93,7 +93,8 @@ class Plan:
     (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer, "selective" |
     "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
     planning went; `explainer`: the planner's data behind `explain`; `microbatches` per data replica
-    and step (gradient accumulation, or the pipeline's); `pipeline`: with a pipe axis, the stages
+    and step (gradient accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients
+    once per step, outside the graph (FSDP's, DDP's under accumulation); `pipeline`: with a pipe axis, the stages
     (autojigsaw.plan.Pipeline), each with its plan on the other axes. print() gives the table.
 
         plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
@@ -119,6 +120,7 @@ class Plan:
     stats: PlanStats | None = field(default=None, compare=False)
     explainer: Callable | None = field(default=None, compare=False, repr=False)
     microbatches: int = 1  # per data replica and step: gradient accumulation, or the pipeline's
+    sums_once: bool = False  # the data axis sums the weights' gradients once per step, out of the graph
     pipeline: Pipeline | None = None  # the stages over a pipe axis, each with its plan on the other axes
 
     def __getstate__(self) -> dict:
@@ -298,6 +300,8 @@ class Plan:
         }
         if self.microbatches != 1:
             data["microbatches"] = self.microbatches
+        if self.sums_once:
+            data["sums_once"] = True
         if self.pipeline is not None:
             pipe = self.pipeline
             data["pipeline"] = {**{k: getattr(pipe, k) for k in ("axis", "schedule", "microbatches", "virtual_stages",
@@ -337,7 +341,8 @@ class Plan:
             memory_per_rank=d["memory_per_rank"], comm_bytes=d["comm_bytes"],
             step_time=d["step_time"], memory_budget=d["memory_budget"], peak_at=d.get("peak_at", ""),
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
-            data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1), pipeline=pipeline,
+            data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1),
+            sums_once=d.get("sums_once", False), pipeline=pipeline,
         )
 
 

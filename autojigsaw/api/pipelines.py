@@ -38,7 +38,7 @@ from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_param
 from ..runtime.program import Program
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
-from ..training import stage_mesh
+from ..training import data_axes, stage_mesh
 from .recipe import capture_for, plan_captured
 
 
@@ -136,8 +136,11 @@ def build_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_
     cls = SCHEDULES[pipeline.schedule]
     schedule = cls(stages[0] if pipeline.schedule in SINGLE else stages, n_microbatches=pipeline.microbatches,
                    loss_fn=loss_reader(captured.out_spec))
+    data = data_axes(sub)
+    data_group = (stage_dm.get_group(sub.axis_names[data[0]])
+                  if mine[0].plan.sums_once and mine[0].plan.data_parallel == "ddp" else None)
     run = PipelineRun(pipeline, schedule, tuple(st.index for st in mine), device_mesh.get_group(pipeline.axis), model,
-                      tied, tuple(built))
+                      tied, tuple(built), data_group)
     return plan, run
 
 

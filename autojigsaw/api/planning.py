@@ -13,7 +13,7 @@ from ..capture import at_sizes
 from ..cost_model.devices import DeviceSpec, device_spec
 from ..cost_model.estimate import CostContext
 from ..cost_model.recompute import repeated_layers
-from ..cost_model.regime import with_fsdp_traffic, with_regime
+from ..cost_model.regime import with_data_traffic, with_regime
 from ..cost_model.memory import Optimizer, OptimizerName, optimizer_spec
 from ..mesh import MeshSpec
 from ..options import Options
@@ -104,4 +104,4 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
     evaluated = with_regime(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
                             ctx, plan.recompute)
-    return with_fsdp_traffic(with_traffic(evaluated, captured), captured, ctx, problem.grad)
+    return with_data_traffic(with_traffic(evaluated, captured), captured, ctx, problem.grad)

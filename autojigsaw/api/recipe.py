@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate
 from ..capture import Captured, capture
 from ..cost_model.estimate import CostContext
 from ..cost_model.in_flight import with_in_flight
-from ..cost_model.regime import with_fsdp_traffic, with_regime
+from ..cost_model.regime import with_data_traffic, with_regime
 from ..cost_model.memory import optimizer_spec
 from ..ir import grads_by_name
 from ..mesh import MeshSpec, RankView
@@ -72,7 +72,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
         plan = plan_captured(capture(model, (x,)), MeshSpec.of({"tensor": 2}), Options(device="cpu"))
     """
     device, regime = options.device_spec(), options.regime(mesh)
-    regime = replace(regime, fsdp_once=stage and regime.fsdp)
+    regime = replace(regime, fsdp_once=stage and regime.fsdp, accumulates=stage or (options.microbatches or 1) > 1)
     budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
     t0 = time.perf_counter()
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}
@@ -93,7 +93,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
     t3 = time.perf_counter()
     planned = with_regime(assemble(captured, problem, solution, ctx, budget), ctx, chosen.layers)
-    planned = with_fsdp_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
+    planned = with_data_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
                                             len(solution.cuts), solution.gap))
