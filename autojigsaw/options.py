@@ -59,6 +59,8 @@ class Options:
       gradient accumulation (`ParallelModule.train_step` runs them one after another); None: the
       planner chooses with a pipe axis, 1 without.
     - `virtual_stages`: pipeline stages per pipe rank (interleaved schedules); None: chosen.
+    - `gpus_per_node`: ranks per node, which decide the links each mesh axis crosses (and, given a number
+      of GPUs for the mesh, bound the tensor axis); None: the device spec's (8 for the GPU specs).
     - `solver`: called as `autojigsaw.planner.solve(problem, budget, **kw)` is, in its place (None: that,
       HiGHS with 300 s per solve), e.g. `functools.partial(autojigsaw.planner.solve, time_limit=60)`.
 
@@ -82,6 +84,7 @@ class Options:
     pipeline_schedule: str | type | None = None
     microbatches: int | None = None
     virtual_stages: int | None = None
+    gpus_per_node: int | None = None
     solver: Callable[..., Solution | None] | None = None
 
     def __post_init__(self):
@@ -92,7 +95,7 @@ class Options:
                              "(e.g. 40 * 2**30 for 40 GiB), or None for the default")
         if not isinstance(self.training, bool):
             raise ValueError(f"training={self.training!r}: give True (forward, backward and optimizer step) or False")
-        for name in ("microbatches", "virtual_stages"):
+        for name in ("microbatches", "virtual_stages", "gpus_per_node"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: give a positive int, or None to let the planner choose")
@@ -111,8 +114,9 @@ class Options:
         return cls(**keywords)
 
     def device_spec(self) -> DeviceSpec:
-        """The DeviceSpec priced on: `device`'s, DEFAULT_DEVICE's when None."""
-        return device_spec(self.device if self.device is not None else DEFAULT_DEVICE)
+        """The DeviceSpec priced on: `device`'s, DEFAULT_DEVICE's when None, with `gpus_per_node` if given."""
+        spec = device_spec(self.device if self.device is not None else DEFAULT_DEVICE)
+        return spec if self.gpus_per_node is None else dataclasses.replace(spec, devices_per_node=self.gpus_per_node)
 
     def regime(self, mesh: MeshSpec) -> Regime:
         """The checked training regime on `mesh`: an unknown policy, FSDP without a data axis, or a compute

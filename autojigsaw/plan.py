@@ -17,7 +17,8 @@ from .mesh import MeshSpec
 from .modules import layer_of, short_paths
 from .pipeline import STAGE_FIELDS, Pipeline, StagePlan
 from .placements import Placements, format_placements, parse_placements
-from .plan_text import format_bytes, format_seconds, span_name, stages_table, MODULE_WIDTH, kernel_cell, legend, narrow_table, placements_cell, short_op, wrapped
+from .plan_text import (format_bytes, format_seconds, span_name, stages_table, MODULE_WIDTH, kernel_cell, legend,
+                        narrow_table, placements_cell, short_op, wrapped)
 
 SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
 
@@ -83,6 +84,18 @@ class PlanStats:
 
 
 @dataclass(frozen=True)
+class MeshChoice:
+    """A mesh the planner weighed for a number of GPUs: its predicted step (seconds; None: not priced) and peak
+    memory per rank (bytes), whether it was planned exactly or estimated, and a note."""
+
+    mesh: MeshSpec
+    step_time: float | None
+    memory: float
+    exact: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     """A sharding for every node of one model on one mesh, with its predicted costs.
 
@@ -94,7 +107,8 @@ class Plan:
     "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
     planning went; `explainer`: the planner's data behind `explain`; `microbatches` per data replica
     and step (gradient accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients
-    once per step, outside the graph (FSDP's, DDP's under accumulation); `pipeline`: with a pipe axis, the stages
+    once per step, outside the graph (FSDP's, DDP's under accumulation); `alternatives`: given a number
+    of GPUs for the mesh, the other meshes tried (autojigsaw.plan.MeshChoice); `pipeline`: with a pipe axis, the stages
     (autojigsaw.plan.Pipeline), each with its plan on the other axes. print() gives the table.
 
         plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
@@ -121,6 +135,7 @@ class Plan:
     explainer: Callable | None = field(default=None, compare=False, repr=False)
     microbatches: int = 1  # per data replica and step: gradient accumulation, or the pipeline's
     sums_once: bool = False  # the data axis sums the weights' gradients once per step, out of the graph
+    alternatives: tuple[MeshChoice, ...] = field(default=(), compare=False)  # the meshes a chosen mesh beat
     pipeline: Pipeline | None = None  # the stages over a pipe axis, each with its plan on the other axes
 
     def __getstate__(self) -> dict:
@@ -272,7 +287,16 @@ class Plan:
                              "the plan that autojigsaw.plan or parallelize made")
         return str(self.explainer(node))
 
+    def alternatives_table(self) -> str:
+        """The meshes this plan's mesh beat (given a number of GPUs), fastest first: step, memory, how priced."""
+        rows = [(self.mesh.describe(), format_seconds(self.step_time), format_bytes(self.memory_per_rank), "chosen")]
+        rows += [(c.mesh.describe(), "-" if c.step_time is None else format_seconds(c.step_time),
+                  format_bytes(c.memory), c.note) for c in self.alternatives]
+        return tabulate(rows, headers=("mesh", "step", "memory/rank", ""), tablefmt="simple", disable_numparse=True)
+
     def __str__(self) -> str:
+        if self.alternatives:
+            return self.table() + "\n\n" + self.alternatives_table()
         return self.table()
 
     # ------------------------------------------------------------ JSON

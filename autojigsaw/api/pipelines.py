@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from ..capture import Captured, refuse_backward_hooks
+from ..capture import Captured, at_sizes, refuse_backward_hooks
 from ..capture.stages import cut, layer_stack
 from ..cost_model.schedule import SCHEDULES, SINGLE, schedule_name
 from ..dtypes import value_carries_grad
@@ -38,13 +38,26 @@ from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_param
 from ..runtime.program import Program
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
-from ..training import data_axes, stage_mesh
-from .recipe import capture_for, plan_captured
+from ..training import data_axes, pipe_axis, stage_mesh
+from .recipe import _symbolic, capture_for, plan_captured
 
 
 def microbatch_of(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
     """The first of `microbatches` equal slices of every tensor input along dim 0 (what a program is planned at)."""
     return split_microbatches(args, kwargs, microbatches)[0]
+
+
+def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec, options: Options) -> Plan:
+    """The plan of `model` on `mesh`: pipelined over a pipe axis, else one microbatch priced as many."""
+    if pipe_axis(mesh) is not None:
+        return plan_pipelined(model, args, kwargs, mesh, options)
+    regime = options.regime(mesh)
+    microbatches = options.microbatches or 1
+    if microbatches > 1:  # gradient accumulation: one microbatch planned, priced that many times
+        args, kwargs = microbatch_of(args, kwargs, microbatches)
+    symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
+    captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
+    return accumulated(plan_captured(captured, mesh, options), captured, microbatches)
 
 
 def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec, options: Options) -> Plan:

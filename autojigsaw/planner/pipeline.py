@@ -29,7 +29,7 @@ from ..capture.stages import StageProgram, cut, layer_stack
 from ..cost_model.comm import collective_time
 from ..cost_model.compute import backward_factor
 from ..cost_model.devices import DeviceSpec
-from ..cost_model.schedule import SINGLE, V_SHAPED, StageTimes, rank_orders, simulate, stage_ranks
+from ..cost_model.schedule import SINGLE, V_SHAPED, StageTimes, in_flight, rank_orders, simulate, stage_ranks
 from ..mesh import MeshSpec
 from ..modules import layer_of, module_path
 from ..placements import local_shape
@@ -66,6 +66,7 @@ class LayerCosts:
     saved: np.ndarray  # bytes each holds from its forward to its backward
     held: np.ndarray  # bytes of weights, gradients and optimizer state
     per_step: np.ndarray  # seconds once per step: the optimizer's, FSDP's exposed traffic
+    weights: np.ndarray  # bytes of this rank's compute copy of the weights
     send: float  # bytes crossing a layer boundary
 
     def scaled(self, rows: float) -> LayerCosts:
@@ -205,8 +206,9 @@ def layer_costs(plan: Plan, captured: Captured) -> LayerCosts:
     graph = {n.name: n for n in captured.gm.graph.nodes}
     order = {name: i for i, name in enumerate(graph)}
     first = min((order[n.name] for n in plan.nodes if _layer(n.module) in slot_of), default=0)
-    sums = np.zeros((6, len(layers) + 2))
+    sums = np.zeros((7, len(layers) + 2))
     recomputed = dict(plan.recompute)
+    coord = (0,) * plan.mesh.ndim
     for ns in plan.nodes:
         node = graph.get(ns.name)
         slot = slot_of.get(_layer(ns.module))
@@ -214,14 +216,17 @@ def layer_costs(plan: Plan, captured: Captured) -> LayerCosts:
             readers = [order[u.name] for u in node.users] if node is not None else []
             slot = 0 if min(readers + [order.get(ns.name, 0)]) < first else len(layers) + 1
         if ns.kind == "param":
-            sums[4, slot] += ns.memory_bytes
-            sums[5, slot] += ns.compute_s + ns.comm_s
+            val = node.meta["val"]
+            local = math.prod(local_shape(tuple(val.shape), ns.output, plan.mesh.sizes, coord))
+            sums[4:7, slot] += (ns.memory_bytes, ns.compute_s + ns.comm_s, local * val.element_size())
             continue
         f, b, w = node_work(ns, node, recomputed.get(_layer(ns.module)), plan.training, captured.params)
         sums[:4, slot] += (f, b, w, ns.memory_bytes)
     # what the plan's step has beside its nodes (FSDP's hidden traffic taken off) goes with the weights
     rest = plan.step_time - sum(ns.compute_s + ns.comm_s for ns in plan.nodes)
     sums[5] += rest * sums[4] / max(sums[4].sum(), 1.0)
+    # the activations held at the peak (what the weights' state leaves of it), shared out as the nodes' own bytes
+    sums[3] *= max(plan.memory_per_rank - sums[4].sum(), 0.0) / max(sums[3].sum(), 1.0)
     return LayerCosts(tuple(layers), *sums, send=_boundary_bytes(plan, captured, len(layers)))
 
 
@@ -275,8 +280,8 @@ def estimate(costs: LayerCosts, schedule: str, ranks: int, virtual: int, microba
     if stages > len(costs.layers):
         return None
     owner = stage_ranks(schedule, ranks, virtual)
-    in_flight = simulate(schedule, ranks, virtual, microbatches, [StageTimes(1.0, 2.0, 1.0)] * stages).in_flight
-    starts = balanced_starts(costs, in_flight, budget // virtual) or balanced_starts(costs, in_flight, None)
+    held = in_flight(schedule, ranks, virtual, microbatches)
+    starts = balanced_starts(costs, held, budget // virtual) or balanced_starts(costs, held, None)
     send = _hop_seconds(costs.send, link)
     parts = [costs.stage(a, b, s == 0, s == stages - 1) for s, (a, b) in enumerate(_spans(starts, len(costs.layers)))]
     times = [StageTimes(f, b, w, send) for f, b, w, *_ in parts]
@@ -337,22 +342,22 @@ def exact_pipeline(captured: Captured, whole: Plan, plan_stage: PlanStage, mesh:
     ranks, sub = mesh.sizes[axis], stage_mesh(mesh)
     programs = cut(captured, list(starts))
     owner = stage_ranks(schedule, ranks, virtual)
-    in_flight = simulate(schedule, ranks, virtual, microbatches, [StageTimes(1.0, 2.0, 1.0)] * len(programs)).in_flight
-    plans = _stage_plans(programs, whole, plan_stage, sub, schedule, in_flight, budget // virtual, user_inputs)
+    held = in_flight(schedule, ranks, virtual, microbatches)
+    plans = _stage_plans(programs, whole, plan_stage, sub, schedule, held, budget // virtual, user_inputs)
     link = device.axis_link(mesh.sizes, axis, mesh.axis_names[axis])
     stages = []
     for s, (prog, plan) in enumerate(zip(programs, plans)):
         forward, backward, weight, _ = stage_work(plan, prog.captured)
         stages.append(StagePlan(s, owner[s], prog.layers, plan, forward, backward, weight,
-                                sent_bytes(plan, prog.captured, prog.sends), in_flight[s]))
+                                sent_bytes(plan, prog.captured, prog.sends), held[s]))
     times = [StageTimes(st.forward_s, st.backward_s, st.weight_s, _hop_seconds(st.send_bytes, link)) for st in stages]
     sim = simulate(schedule, ranks, virtual, microbatches, times)
     memory = [sum(st.plan.memory_per_rank for st in stages if st.rank == r) for r in range(ranks)]
     worst = int(np.argmax(memory))
     if memory[worst] > budget:
         held = [st for st in stages if st.rank == worst]
-        raise ValueError(f"pipe rank {worst} (stages {[st.index for st in held]}) needs {memory[worst] / 2**30:.2f} GiB "
-                         f"with {microbatches} microbatches under {schedule}, over the budget of {budget / 2**30:.2f} "
+        raise ValueError(f"pipe rank {worst} (stages {[st.index for st in held]}) needs {memory[worst] / 2**30:.2f} "
+                         f"GiB with {microbatches} microbatches under {schedule}, over the budget of {budget / 2**30:.2f} "
                          "GiB: give fewer virtual stages, another schedule, recomputation, or a larger budget")
     pipeline = Pipeline(mesh.axis_names[axis], schedule, microbatches, virtual, tuple(stages), sim.bubble,
                         "once per step" if whole.data_parallel == "fsdp" else "")
@@ -444,7 +449,8 @@ def pipelined(mesh: MeshSpec, pipeline: Pipeline, step_time: float, memory: list
     params = {k: v for st in stages for k, v in st.plan.param_placements.items()}
     worst = int(np.argmax(memory))
     return replace(whole, mesh=mesh, nodes=tuple(nodes), param_placements=params,
-                   input_placements=stages[0].plan.input_placements, output_placements=stages[-1].plan.output_placements,
+                   input_placements=stages[0].plan.input_placements,
+                   output_placements=stages[-1].plan.output_placements,
                    memory_per_rank=max(memory), comm_bytes=max(sent), step_time=step_time, memory_budget=budget,
                    peak_at=f"pipe rank {worst}", recompute=tuple(r for st in stages for r in st.plan.recompute),
                    stats=None, explainer=None, pipeline=pipeline, microbatches=m)
