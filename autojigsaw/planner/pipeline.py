@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..capture import Captured
-from ..capture.stages import StageProgram, cut, layer_stack
+from ..capture.stages import NO_LAYERS, StageProgram, cut, layer_stack
 from ..cost_model.comm import collective_time
 from ..cost_model.compute import backward_factor
 from ..cost_model.devices import DeviceSpec
@@ -102,6 +102,8 @@ def estimated(costs_at: Callable[[int], LayerCosts], mesh: MeshSpec, choice: Pip
     out = []
     for m in microbatch_choices(choice, batch, _data_replicas(mesh), ranks):
         costs = costs_at(m)
+        if not costs.layers:
+            raise ValueError(NO_LAYERS)
         for schedule, virtual in schedule_choices(choice, ranks, len(costs.layers), m):
             est = estimate(costs, schedule, ranks, virtual, m, budget, link)
             if est is not None:
