@@ -18,7 +18,7 @@ from autojigsaw.api import capture_for
 from autojigsaw.api.recipe import plan_captured
 from autojigsaw.capture.stages import cut
 from autojigsaw.mesh import MeshSpec
-from autojigsaw.planner.pipeline import LayerCosts, balanced_starts
+from autojigsaw.planner.layer_costs import LayerCosts, balanced_starts
 
 DEVICE = "h100"
 

@@ -19,7 +19,8 @@ from ..mesh import MeshSpec
 from ..options import Options
 from ..plan import MeshChoice, Plan
 from ..planner.mesh_search import estimate_mesh, factorings, lower_bound_memory
-from ..planner.pipeline import NO_BUDGET, PipelineChoice, layer_costs
+from ..planner.layer_costs import layer_costs
+from ..planner.pipeline import NO_BUDGET, PipelineChoice
 from ..runtime.pipeline import batch_size
 from .pipelines import microbatch_of, plan_model
 from .recipe import capture_for, plan_captured

@@ -24,7 +24,8 @@ from ..mesh import MeshSpec, RankView
 from ..options import Options
 from ..placements import local_shape
 from ..plan import Pipeline, Plan
-from ..planner.pipeline import NO_BUDGET, PipelineChoice, plan_pipeline, stage_work
+from ..planner.layer_costs import stage_work
+from ..planner.pipeline import NO_BUDGET, PipelineChoice, plan_pipeline
 from ..rewrite.recompute import split_layers
 from ..rewrite.rewrite import rewrite
 from ..runtime.checks import check_agreement, check_group, program_facts

@@ -20,7 +20,8 @@ from ..cost_model.comm import collective_time
 from ..cost_model.devices import DeviceSpec
 from ..mesh import MeshSpec
 from ..training import Regime
-from .pipeline import LayerCosts, PipelineChoice, estimated
+from .layer_costs import LayerCosts
+from .pipeline import PipelineChoice, estimated
 
 AXES = ("pipe", "data", "tensor")  # outermost first: the tensor axis varies fastest, within a node
 
