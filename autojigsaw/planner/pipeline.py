@@ -31,7 +31,9 @@ from ..cost_model.devices import DeviceSpec
 from ..cost_model.schedule import SINGLE, V_SHAPED, StageTimes, in_flight, rank_orders, simulate, stage_ranks
 from ..mesh import MeshSpec
 from ..modules import module_path
-from ..plan import Pipeline, Plan, StagePlan
+from ..pipeline import Pipeline, StagePlan
+from ..plan import Plan
+from ..plan_text import span_name
 from ..training import data_axes, pipe_axis, stage_mesh
 
 NO_BUDGET = 2**62
@@ -233,7 +235,8 @@ def exact_pipeline(captured: Captured, whole: Plan, plan_stage: PlanStage, mesh:
     if memory[worst] > budget:
         held = [st for st in stages if st.rank == worst]
         raise ValueError(f"pipe rank {worst} (stages {[st.index for st in held]}) needs {memory[worst] / 2**30:.2f} "
-                         f"GiB with {microbatches} microbatches under {schedule}, over the budget of {budget / 2**30:.2f} "
+                         f"GiB with {microbatches} microbatches under {schedule}, over the budget of "
+                         f"{budget / 2**30:.2f} "
                          "GiB: give fewer virtual stages, another schedule, recomputation, or a larger budget")
     pipeline = Pipeline(mesh.axis_names[axis], schedule, microbatches, virtual, tuple(stages), sim.bubble,
                         "once per step" if whole.data_parallel == "fsdp" else "")
