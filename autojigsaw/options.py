@@ -18,7 +18,7 @@ from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.memory import Optimizer, OptimizerName
 from .mesh import MeshSpec
 from .placements import Placements
-from .planner.milp import Solution
+from .planner.milp import DEFAULT_MIP_GAP, Solution
 from .training import DataParallel, RecomputePolicy, Regime
 
 DEFAULT_DEVICE = "h100"  # the spec a plan is priced on when `device` is None and no mesh says otherwise
@@ -52,6 +52,9 @@ class Options:
       their range with one plan, priced at the example's shape (give the largest); a size the plan cannot
       split, or a model export cannot capture so, is planned per shape (a log line says why).
       `plan(dynamic=True)` makes a plan for `parallelize(dynamic=True, plan=...)`.
+    - `mip_gap`: the solve ends at a plan proven within this relative gap of the fastest plan (0.01: within
+      1 %, the cost model's own error is several times that; 0: proven optimal). `plan.stats.gap` and the
+      summary line say what was proven ("optimal", "within 0.4 % of optimal").
     - `solver`: called as `autojigsaw.planner.solve(problem, budget, **kw)` is, in its place (None: that,
       HiGHS with 300 s per solve), e.g. `functools.partial(autojigsaw.planner.solve, time_limit=60)`.
 
@@ -72,6 +75,7 @@ class Options:
     activation_checkpointing: RecomputePolicy = "none"
     data_parallel: DataParallel | None = None
     dynamic: bool = False
+    mip_gap: float = DEFAULT_MIP_GAP
     solver: Callable[..., Solution | None] | None = None
 
     def __post_init__(self):
@@ -82,6 +86,10 @@ class Options:
                              "(e.g. 40 * 2**30 for 40 GiB), or None for the default")
         if not isinstance(self.training, bool):
             raise ValueError(f"training={self.training!r}: give True (forward, backward and optimizer step) or False")
+        gap = self.mip_gap
+        if isinstance(gap, bool) or not isinstance(gap, numbers.Real) or not 0 <= gap < 1:
+            raise ValueError(f"mip_gap={gap!r}: give the relative gap to the optimum a plan may be left at, from 0 "
+                             "(proven optimal) up to below 1 (0.01: within 1 %)")
         if self.tie_layers is not None and not isinstance(self.tie_layers, bool):
             raise ValueError(f"tie_layers={self.tie_layers!r}: give True, False or None (tie repeated layers only "
                              "in big problems)")

@@ -134,7 +134,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     held = _in_flight(problem, captured, in_flight)
     solver = options.solver or solve
     chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
-                                  budget, lambda p, b, **kw: solver(held(p), b, **kw))
+                                  budget, lambda p, b, **kw: solver(held(p), b, mip_gap=options.mip_gap, **kw))
     problem, solution = held(chosen.problem), chosen.solution
     if solution is None:
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
