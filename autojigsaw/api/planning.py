@@ -34,6 +34,7 @@ from ..planner.recompute import solve_with_recompute, with_layers_recomputed
 from ..rewrite.rewrite import rewrite
 from ..rewrite.traffic import traffic_by_origin
 from ..strategies.annotate import annotate
+from ..strategies.constraints import constrain
 from ..strategies.data_pins import data_pins
 from ..training import Precision, Regime
 
@@ -125,6 +126,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}
     annotate(captured.gm, mesh, data_pins(captured, mesh, fixed),
              _output_placements(captured, mesh, options.output_placements, options.training))
+    constrain(captured, mesh, options.constraints, options.constraints_axis)
     t1 = time.perf_counter()
     ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime)
     problem = _problem(captured, ctx, options.tie_layers)
