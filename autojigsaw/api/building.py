@@ -6,7 +6,6 @@ The result is a ParallelModule, which holds one Program per input shape and runs
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -14,7 +13,6 @@ from dataclasses import replace
 import torch
 
 from ..capture import Captured, at_sizes, refuse_backward_hooks
-from ..capture.order import without_device_indices
 from ..dtypes import value_carries_grad
 from ..mesh import MeshSpec, RankView
 from ..options import Options
@@ -33,7 +31,8 @@ from ..runtime.regional import compile_pieces
 from ..runtime.same_values import check_same_values, values_to_agree
 from ..training import data_axes
 
-from .planning import _check_model, _positional, _symbolic, capture_for, plan_captured
+from .cached import planned_or_cached, program_facts
+from .planning import _check_model, _positional, _symbolic, capture_for
 
 log = logging.getLogger("autojigsaw")
 
@@ -130,13 +129,13 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     else:
         plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
     # every rank agrees on the model and on the plan, or on what rank 0 is to plan, before it is made
-    facts = _facts(captured) if captured is not None else {"model": f"not captured ({plan_fact})"}
+    facts = program_facts(captured) if captured is not None else {"model": f"not captured ({plan_fact})"}
     check_agreement({**facts, "plan": plan_fact, "options": options.describe()})
     if failed is not None:
         raise failed
     if plan is None:
         pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
-        plan = planned_on_rank0(lambda: plan_captured(captured, mesh, options, pins))
+        plan = planned_on_rank0(lambda: planned_or_cached(captured, mesh, options, pins, regime))
     check_same_values(values_to_agree(model, captured, args, kwargs, weights=pinned is None,
                                       whole_inputs=options.input_placements is None))
     rank = RankView.of(device_mesh, mesh)
@@ -175,14 +174,3 @@ def _reused(captured: Captured, plan: Plan) -> Plan | None:
         log.info("autojigsaw: dynamic=True: the plan does not apply to input shapes %s (%s); planning them "
                  "with the parameters as placed", captured.input_shapes, e)
         return None
-
-
-def _facts(captured: Captured) -> dict[str, str]:
-    """What every rank must agree on before the step: the model's parameters, the input shapes and the
-    traced program (a constant or a branch that differs by rank changes it; device indices do not)."""
-    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
-    model = hashlib.sha256(repr([(fqn, tuple(values[ph].shape), str(values[ph].dtype))
-                                 for ph, fqn in sorted(captured.params.items(), key=lambda kv: kv[1])]).encode())
-    inputs = [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v) for v in captured.input_values]
-    program = hashlib.sha256(without_device_indices(captured.gm.code).encode())
-    return {"model": model.hexdigest()[:16], "inputs": repr(inputs), "program": program.hexdigest()[:16]}
