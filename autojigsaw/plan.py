@@ -74,13 +74,19 @@ class PlanStats:
     strategies: int  # binary variables
     solves: int
     memory_cuts: int
-    gap: float = 0.0  # relative optimality gap, 0 unless the solver's time limit was reached
+    gap: float = 0.0  # how far above the fastest plan it may be, relative to its step time: 0 = proven optimal
+    from_cache: bool = False  # read from the plan cache (AUTOJIGSAW_CACHE), not solved in this process
 
     def __str__(self) -> str:
-        return (f"planned {self.nodes} nodes as {self.groups} groups ({self.strategies} binaries): "
+        source = "read from the plan cache; " if self.from_cache else ""
+        return (f"{source}planned {self.nodes} nodes as {self.groups} groups ({self.strategies} binaries): "
                 f"strategies {self.strategies_s:.2f} s, costs {self.problem_s:.2f} s, solve {self.solve_s:.2f} s "
-                f"({self.solves} MILP(s), {self.memory_cuts} memory row(s)), traffic {self.traffic_s:.2f} s"
-                + (f"; within {self.gap:.1%} of the optimum (time limit)" if self.gap else ""))
+                f"({self.solves} MILP(s), {self.memory_cuts} memory row(s)), traffic {self.traffic_s:.2f} s; "
+                f"{self.proof()}")
+
+    def proof(self) -> str:
+        """What the solve proved: "optimal", or "within 0.4 % of optimal"."""
+        return "optimal" if self.gap <= 0 else f"within {100 * self.gap:.2g} % of optimal"
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,7 @@ class Plan:
             + (f" at the {self.peak_at}" if self.peak_at else "") + f"; {len(self.fallbacks)} fallback node(s)"
             + f"\nlayout: {self.layout()}\nprecision: {self.precision}; recompute: {self.recompute_summary()}"
             + (f"; data axis: {self.data_parallel}" if self.data_parallel else "")
+            + (f"; plan {self.stats.proof()}" if self.stats is not None else "")
         )
 
     def layout(self) -> str:
@@ -260,10 +267,13 @@ class Plan:
         return "; ".join(parts)
 
     def summary_line(self) -> str:
-        """One line: mesh, layout, predicted step time, memory and bytes (what parallelize logs)."""
+        """One line: mesh, layout, predicted step time, memory and bytes, and what the solve proved (what
+        parallelize logs): "...; plan optimal" or "...; plan within 0.4 % of optimal"."""
+        proof = "" if self.stats is None else f"; plan {self.stats.proof()}" + (
+            " (from the plan cache)" if self.stats.from_cache else "")
         return (f"autojigsaw: {self.mesh.describe()} on {self.device}: {self.layout()}; predicted step "
                 f"{format_seconds(self.step_time)}, peak {format_bytes(self.memory_per_rank)}/rank, "
-                f"{format_bytes(self.comm_bytes)} sent/rank/step; {len(self.fallbacks)} fallback node(s)")
+                f"{format_bytes(self.comm_bytes)} sent/rank/step; {len(self.fallbacks)} fallback node(s)" + proof)
 
     def recompute_summary(self) -> str:
         """"selective on model.layers.{0..31}" (x32), or "none"."""

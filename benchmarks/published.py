@@ -19,7 +19,6 @@ whole mesh (a 128-GPU FSDP run on 128 ranks). Predicted and published side by si
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -32,7 +31,7 @@ import autojigsaw
 from autojigsaw.cost_model.devices import GiB, device_spec
 
 from .common import Report
-from .layouts import strategies_filtered, tensor_parallel
+from .layouts import tensor_parallel
 from .published_runs import RUNS, PublishedRun, run_named
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -126,24 +125,21 @@ def plan_run(run: PublishedRun) -> Outcome:
     spec = spec.compiled() if run.compiled else spec
     ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")
 
-    def planned(budget):
+    def planned(budget, constraints=None):
         return autojigsaw.plan(model, (ids,), run.mesh, device=spec, example_kwargs={"labels": ids},
-                               memory_budget=budget, **options)
+                               memory_budget=budget, constraints=constraints, **options)
 
     start = time.perf_counter()
     try:
-        unfiltered: list[str] = []
-        with layout_imposed(run, unfiltered):
-            try:
-                plan = planned(run.memory_budget)
-            except ValueError as e:
-                if not notes or "memory" not in str(e).lower():
-                    raise
-                notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned "
-                             "without a memory limit")
-                plan = planned(_NO_BUDGET)
-        if unfiltered:
-            notes.append(f"{len(set(unfiltered))} nodes have no strategy in the layout: left free")
+        layout = layout_constraints(run, model)
+        try:
+            plan = planned(run.memory_budget, layout)
+        except ValueError as e:
+            if not notes or "memory" not in str(e).lower():
+                raise
+            notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned "
+                         "without a memory limit")
+            plan = planned(_NO_BUDGET, layout)
         if run.layout != "planned":
             notes.append(own_layout(run, planned))
     except Exception as e:  # noqa: BLE001 - one run that can't be planned must not hide the others
@@ -164,12 +160,12 @@ def own_layout(run: PublishedRun, planned) -> str:
             f"{own.memory_per_rank / GiB:.1f} GiB")
 
 
-def layout_imposed(run: PublishedRun, unfiltered: list[str]):
-    """Planning inside the run's own layout (its `layout`), or the planner's free choice."""
+def layout_constraints(run: PublishedRun, model: torch.nn.Module) -> dict | None:
+    """The run's own layout (its `layout`) as constraints on the plan; None: the planner's free choice."""
     if run.layout == "planned":
-        return contextlib.nullcontext()
+        return None
     if run.layout == "tensor-parallel":
-        return strategies_filtered(tensor_parallel(list(run.mesh).index("tensor")), unfiltered)
+        return tensor_parallel(model)
     raise ValueError(f"run {run.name!r}: unknown layout {run.layout!r}; known: 'planned', 'tensor-parallel'")
 
 

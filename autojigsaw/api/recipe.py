@@ -30,6 +30,7 @@ from ..planner.recompute import solve_with_recompute
 from ..rewrite.rewrite import rewrite
 from ..rewrite.traffic import traffic_by_origin
 from ..strategies.annotate import annotate
+from ..strategies.constraints import constrain
 from ..strategies.data_pins import data_pins
 from ..training import Regime
 
@@ -78,6 +79,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}
     annotate(captured.gm, mesh, data_pins(captured, mesh, fixed),
              _output_placements(captured, mesh, options.output_placements, options.training))
+    constrain(captured, mesh, options.constraints, options.constraints_axis)
     t1 = time.perf_counter()
     ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime)
     problem = _problem(captured, ctx, options.tie_layers)
@@ -87,7 +89,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     held = _in_flight(problem, captured, in_flight)
     solver = options.solver or solve
     chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
-                                  budget, lambda p, b, **kw: solver(held(p), b, **kw))
+                                  budget, lambda p, b, **kw: solver(held(p), b, mip_gap=options.mip_gap, **kw))
     problem, solution = held(chosen.problem), chosen.solution
     if solution is None:
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)

@@ -94,6 +94,11 @@ def src_is_tensor(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def check_plan_matches(captured: Captured, plan: Plan) -> None:
+    """A ValueError unless `plan` has an entry of the right shape for every node of the captured program."""
+    _check_matches(captured, {n.name: n for n in plan.nodes})
+
+
 def _check_matches(captured: Captured, by_name) -> None:
     extra = set(by_name) - {node.name for node in captured.gm.graph.nodes}
     if extra:  # the plan's program does more than this one (its costs are another program's)
