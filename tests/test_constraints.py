@@ -57,11 +57,11 @@ def test_torch_styles_place_the_modules_weights_and_read_them_split():
     # never gathered where read: the matmuls compute with their shards
     assert _weight_read(plan, "up") == (Shard(0),) and _weight_read(plan, "down") == (Shard(1),)
     assert _weight_read(plan, "emb") == (Shard(1),)
-    # RowwiseParallel splits an embedding's vocabulary, which no embedding strategy reads split (no
-    # vocabulary-parallel lookup): an error, not a plan that gathers it
-    with pytest.raises(ValueError, match=r"constraints\['emb'\] cannot hold at node embedding: none of its "
-                                         r"strategies reads p_emb_weight split as pinned over \['tensor'\]"):
-        _plan({"emb": RowwiseParallel()})
+    # RowwiseParallel splits an embedding's vocabulary: each rank looks up the ids it holds (vocabulary-parallel)
+    vocab = _plan({"emb": RowwiseParallel()})
+    assert vocab.param_placements["emb.weight"] == (Shard(0),) and _weight_read(vocab, "emb") == (Shard(0),)
+    embedding = next(n for n in vocab.nodes if n.module == "emb" and n.op == "aten.embedding")
+    assert embedding.kernel == "vocab_parallel_embedding", embedding
 
 
 def test_a_pinned_weight_is_read_split_where_the_free_plan_gathers_it():
