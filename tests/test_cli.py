@@ -48,6 +48,19 @@ def test_a_model_that_fits_prints_its_plan_and_verdict_and_saves_them(tmp_path, 
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_gpu_count_searches_the_mesh_and_prints_the_meshes_it_beat(tmp_path, capsys):
+    argv = [*TINY_LLAMA, "--batch", "2", "--seq", "64", "--gpus", "8", "--gpus-per-node", "4", "--device", "h100",
+            "--json", str(tmp_path / "plan.json")]
+    status, out, _ = _run(argv, capsys)
+    assert status == 0, out
+    plan = autojigsaw.Plan.from_json((tmp_path / "plan.json").read_text())
+    assert np.prod(plan.mesh.sizes) == 8
+    rows = [line.split() for line in out.splitlines() if line.endswith(("chosen", "planned", "estimated"))]
+    assert rows[0][0] == plan.mesh.describe() and rows[0][-1] == "chosen", out
+    assert len(rows) > 1 and all(np.prod([int(a.split("=")[1]) for a in row[:-3] if "=" in a]) == 8
+                                 for row in rows), out
+
+
 def test_the_verdict_is_the_plans_own_throughput_and_peak(capsys):
     # 4 sequences of 64 tokens per data replica, 2 replicas: 512 tokens a step over 4 GPUs
     status, out, _ = _run([*TINY_LLAMA, "--batch", "4", "--seq", "64", "--mesh", "data=2,tensor=2", "--device", "h100",

@@ -43,6 +43,9 @@ def _plan(args: argparse.Namespace, run) -> int:
         return _does_not_fit(e, run, workload_of)
     print(planned.table(wide=args.wide))
     print()
+    if planned.alternatives:  # --gpus: the meshes the chosen one beat
+        print(planned.alternatives_table())
+        print()
     print(verdict(planned, work, run))
     _save(planned, args)
     return 0

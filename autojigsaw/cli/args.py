@@ -71,8 +71,6 @@ def run_of(args: argparse.Namespace) -> Run:
         _check_matplotlib()
     if args.batch < 1:
         raise ValueError(f"--batch {args.batch}: give at least 1 sequence per replica")
-    if args.gpus is not None and not hasattr(autojigsaw, "best_mesh"):
-        raise ValueError("--gpus: this autojigsaw plans on a given mesh only; give --mesh (e.g. data=8,tensor=8)")
     if args.gpus_per_node is not None and args.gpus is None:
         raise ValueError("--gpus-per-node goes with --gpus (a mesh given by --mesh says its own sizes)")
     dtype = _PRECISIONS[args.mp]

@@ -49,7 +49,7 @@ def plan(run: Run, workload_of: Callable[[int], Workload]) -> tuple[autojigsaw.P
     options = dict(run.options)
     if run.gpus is not None:
         plan_ = autojigsaw.plan(work.model, work.inputs, run.gpus, example_kwargs=work.kwargs,
-                                **({"gpus_per_node": run.gpus_per_node} if run.gpus_per_node else {}), **options)
+                                gpus_per_node=run.gpus_per_node, **options)
     else:
         plan_ = autojigsaw.plan(work.model, work.inputs, dict(run.mesh), example_kwargs=work.kwargs, **options)
     return plan_, work
