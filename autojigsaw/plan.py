@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass, field
 from tabulate import tabulate
 
 from .mesh import MeshSpec
-from .modules import layer_of, short_paths
+from .modules import short_paths
 from .pipeline import STAGE_FIELDS, Pipeline, StagePlan
 from .placements import Placements, format_placements, parse_placements
 from .plan_text import (format_bytes, format_seconds, span_name, stages_table, MODULE_WIDTH, kernel_cell, legend,
-                        narrow_table, placements_cell, short_op, wrapped)
+                        narrow_table, placements_cell, short_op, wrapped, collapsed, node_row, group_module,
+                        group_name, group_costs)
 
 SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
 
@@ -176,13 +177,13 @@ class Plan:
         if self.pipeline is not None:
             return self._pipeline_table(every_node=every_node, wide=wide)
         shown = [n for n in self.nodes if every_node or n.kind in SHOWN_KINDS or n.fallback]
-        groups = _collapsed(shown) if not every_node else [[n] for n in shown]
+        groups = collapsed(shown) if not every_node else [[n] for n in shown]
         hidden = [n for n in self.nodes if n not in set(shown)]
         if not wide:
             return self._narrow_table(groups, hidden)
-        rows = [_row(group) for group in groups]
+        rows = [node_row(group) for group in groups]
         if hidden:
-            rows.append(_row(hidden, label=f"({len(hidden)} other nodes: views, elementwise, parameters)"))
+            rows.append(node_row(hidden, label=f"({len(hidden)} other nodes: views, elementwise, parameters)"))
         unattributed = self.comm_bytes - sum(n.comm_bytes for n in self.nodes)
         if unattributed:
             what = "FSDP: gathers and gradient reduce-scatters on the data axis" if self.data_parallel == "fsdp" else "other"
@@ -201,12 +202,12 @@ class Plan:
 
     def _narrow_table(self, groups: list[list[NodeSharding]], hidden: list[NodeSharding]) -> str:
         """The default table (plan_text): lines of at most 120 characters, module paths cut in the middle."""
-        modules = [_group_module(group) or _group_name(group) for group in groups]
+        modules = [group_module(group) or group_name(group) for group in groups]
         short = short_paths(modules, MODULE_WIDTH)
         rows = [(short[m], short_op(g[0].op), placements_cell(g[0].inputs, g[0].output),
-                 kernel_cell(g[0].kernel, g[0].fallback), *_costs(g)) for m, g in zip(modules, groups)]
+                 kernel_cell(g[0].kernel, g[0].fallback), *group_costs(g)) for m, g in zip(modules, groups)]
         if hidden:
-            rows.append((f"({len(hidden)} other nodes)", "", "views, elementwise, parameters", "", *_costs(hidden)))
+            rows.append((f"({len(hidden)} other nodes)", "", "views, elementwise, parameters", "", *group_costs(hidden)))
         unattributed = self.comm_bytes - sum(n.comm_bytes for n in self.nodes)
         hides = self.step_time - sum(n.comm_s + n.compute_s for n in self.nodes)  # FSDP's traffic under compute
         hides = 0.0 if abs(hides) <= 1e-9 * self.step_time else hides
@@ -379,53 +380,3 @@ class Plan:
             sums_once=d.get("sums_once", False), pipeline=pipeline,
         )
 
-
-def _with_layer(module: str, index: str) -> str:
-    """`module` with the index of its repeated layer replaced by `index` ("model.layers.{i}.mlp")."""
-    found = layer_of(module)
-    if found is None:
-        return module
-    prefix, i = found
-    return f"{prefix}.{index}{module[len(prefix) + 1 + len(str(i)):]}"
-
-
-def _collapsed(nodes: list[NodeSharding]) -> list[list[NodeSharding]]:
-    """Nodes grouped when they differ only by the layer they run in (`layers.3` vs `layers.4`)."""
-    groups: dict[tuple, list[NodeSharding]] = {}
-    for n in nodes:
-        pattern = _with_layer(n.module, "{i}") if n.module else n.name
-        key = (pattern, n.op, n.shape, n.input_shapes, n.inputs, n.outputs, n.kernel, n.fallback, n.note)
-        groups.setdefault(key, []).append(n)
-    return list(groups.values())
-
-
-def _row(group: list[NodeSharding], label: str | None = None) -> tuple:
-    """One table row for nodes that run alike: their summed costs; `label` for a row of leftovers."""
-    comm, comm_s = sum(n.comm_bytes for n in group), sum(n.comm_s for n in group)
-    compute, memory = sum(n.compute_s for n in group), sum(n.memory_bytes for n in group)
-    if label is not None:
-        return ("", label, "", "", "", "", "", format_bytes(comm), format_seconds(comm_s), format_seconds(compute),
-                format_bytes(memory), "")
-    n, module, name = group[0], _group_module(group), _group_name(group)
-    shapes = " ".join("x".join(map(str, s)) for s in n.input_shapes) + " -> " + "x".join(map(str, n.shape))
-    return (module, name, n.op, shapes, " ".join(format_placements(p) for p in n.inputs),
-            format_placements(n.output) if n.output else "", n.kernel + (" (fallback)" if n.fallback else ""),
-            format_bytes(comm), format_seconds(comm_s), format_seconds(compute), format_bytes(memory), n.note)
-
-
-def _group_module(group: list[NodeSharding]) -> str:
-    """The module of a row's nodes, with the range of their layers ("model.layers.{0..3}.mlp")."""
-    indices = [found[1] for g in group if (found := layer_of(g.module))]
-    if len(group) > 1 and len(indices) == len(group):
-        return _with_layer(group[0].module, f"{{{indices[0]}..{indices[-1]}}}")
-    return group[0].module
-
-
-def _group_name(group: list[NodeSharding]) -> str:
-    """The first node's name, and how many nodes the row holds ("linear_4 (x4)")."""
-    return group[0].name + (f" (x{len(group)})" if len(group) > 1 else "")
-
-
-def _costs(group: list[NodeSharding]) -> tuple[str, str]:
-    """Bytes sent per rank and seconds (comm + compute) of a row's nodes."""
-    return format_bytes(sum(n.comm_bytes for n in group)), format_seconds(sum(n.comm_s + n.compute_s for n in group))

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from tabulate import tabulate
 
-from .modules import ELLIPSIS, cut_middle
-from .placements import Placements, compact_placements
+from .modules import ELLIPSIS, cut_middle, layer_of
+from .placements import Placements, compact_placements, format_placements
 
 TABLE_WIDTH = 120  # characters in a line of the default table: a terminal's
 MODULE_WIDTH = 28  # module paths longer than this are cut in the middle (modules.short_paths)
@@ -120,3 +120,54 @@ def format_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+def with_layer(module: str, index: str) -> str:
+    """`module` with the index of its repeated layer replaced by `index` ("model.layers.{i}.mlp")."""
+    found = layer_of(module)
+    if found is None:
+        return module
+    prefix, i = found
+    return f"{prefix}.{index}{module[len(prefix) + 1 + len(str(i)):]}"
+
+
+def collapsed(nodes: list) -> list[list]:
+    """Nodes grouped when they differ only by the layer they run in (`layers.3` vs `layers.4`)."""
+    groups: dict[tuple, list] = {}
+    for n in nodes:
+        pattern = with_layer(n.module, "{i}") if n.module else n.name
+        key = (pattern, n.op, n.shape, n.input_shapes, n.inputs, n.outputs, n.kernel, n.fallback, n.note)
+        groups.setdefault(key, []).append(n)
+    return list(groups.values())
+
+
+def node_row(group: list, label: str | None = None) -> tuple:
+    """One table row for nodes that run alike: their summed costs; `label` for a row of leftovers."""
+    comm, comm_s = sum(n.comm_bytes for n in group), sum(n.comm_s for n in group)
+    compute, memory = sum(n.compute_s for n in group), sum(n.memory_bytes for n in group)
+    if label is not None:
+        return ("", label, "", "", "", "", "", format_bytes(comm), format_seconds(comm_s), format_seconds(compute),
+                format_bytes(memory), "")
+    n, module, name = group[0], group_module(group), group_name(group)
+    shapes = " ".join("x".join(map(str, s)) for s in n.input_shapes) + " -> " + "x".join(map(str, n.shape))
+    return (module, name, n.op, shapes, " ".join(format_placements(p) for p in n.inputs),
+            format_placements(n.output) if n.output else "", n.kernel + (" (fallback)" if n.fallback else ""),
+            format_bytes(comm), format_seconds(comm_s), format_seconds(compute), format_bytes(memory), n.note)
+
+
+def group_module(group: list) -> str:
+    """The module of a row's nodes, with the range of their layers ("model.layers.{0..3}.mlp")."""
+    indices = [found[1] for g in group if (found := layer_of(g.module))]
+    if len(group) > 1 and len(indices) == len(group):
+        return with_layer(group[0].module, f"{{{indices[0]}..{indices[-1]}}}")
+    return group[0].module
+
+
+def group_name(group: list) -> str:
+    """The first node's name, and how many nodes the row holds ("linear_4 (x4)")."""
+    return group[0].name + (f" (x{len(group)})" if len(group) > 1 else "")
+
+
+def group_costs(group: list) -> tuple[str, str]:
+    """Bytes sent per rank and seconds (comm + compute) of a row's nodes."""
+    return format_bytes(sum(n.comm_bytes for n in group)), format_seconds(sum(n.comm_s + n.compute_s for n in group))

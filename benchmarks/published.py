@@ -1,6 +1,6 @@
 """Replan published, measured training runs on the meta device and compare with what they measured.
 
-Run: python -m benchmarks.published [--only NAME ...] [--tiny]
+Run: python -m benchmarks.published [--only NAME ...] [--tiny] [--search]
 
 Each run of benchmarks/published_runs.py is rebuilt with transformers on the meta device (same
 model shape, global batch, sequence length, mesh, precision and recomputation) and planned with
@@ -13,7 +13,9 @@ whole mesh (a 128-GPU FSDP run on 128 ranks). Predicted and published side by si
         left out unless tied), L layers, d width, s sequence. The "published" MFU is this formula
         on the published tokens/s; the source's own figure is listed with the sources.
 
---tiny shrinks every model to two layers of width 64 (what the smoke test runs).
+--tiny shrinks every model to two layers of width 64 (what the smoke test runs). --search plans each
+pipelined run free as well: its schedule, microbatches and virtual stages chosen on its own mesh, and its
+mesh chosen from its GPU count (benchmarks/published_search.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from autojigsaw.cost_model.devices import GiB, device_spec
 from .common import Report
 from .layouts import tensor_parallel
 from .published_runs import RUNS, PublishedRun, run_named
+from .published_search import HEADERS as SEARCH_HEADERS, searched_rows
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -208,6 +211,8 @@ def main(argv: list[str] | None = None) -> Report:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", metavar="NAME", help=f"runs to plan, of {[r.name for r in RUNS]}")
     p.add_argument("--tiny", action="store_true", help="two-layer, 64-wide models (the smoke test)")
+    p.add_argument("--search", action="store_true", help="pipelined runs planned free too: on their own mesh, and "
+                                                          "their GPU count with the mesh searched (minutes each)")
     args = p.parse_args(argv)
     runs = [run_named(n) for n in args.only] if args.only else list(RUNS)
     if args.tiny:
@@ -225,6 +230,11 @@ def main(argv: list[str] | None = None) -> Report:
     rep.table("Where the predicted step goes (% of the sum of node and resharding times)",
               [(o.run.name, *(f"{100 * t / max(sum(dict(o.split).values()), 1e-30):.0f}" for _, t in o.split))
                for o in outcomes if o.split], ["run", *PARTS])
+    if args.search:
+        rep.table("Pipelined runs left free: on their own mesh, and given only their GPU count",
+                  [row for o in outcomes if o.run.schedule is not None
+                   for row in searched_rows(o.run, build(o.run), plan_options(o.run), o.tokens_per_s_per_gpu)],
+                  SEARCH_HEADERS, "vs own layout: predicted tokens/s over the run's own layout's prediction")
     rep.text("Sources", "\n".join(
         f"{o.run.name}: {o.run.source}" + (f"; stated MFU {o.run.mfu:.1%}" if o.run.mfu else "")
         + (f" ({o.run.note})" if o.run.note else "") for o in outcomes))

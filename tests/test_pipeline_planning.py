@@ -106,14 +106,27 @@ def test_gradient_accumulation_prices_its_microbatches_one_after_another():
 def test_a_number_of_gpus_chooses_the_mesh_and_keeps_the_runners_up():
     model = _llama(4)
     ids = _ids()
-    plan = autojigsaw.plan(model, (ids,), 8, device=DEVICE, gpus_per_node=4, example_kwargs={"labels": ids})
+    # data_parallel holds on the meshes with a data axis; the others plan without it
+    plan = autojigsaw.plan(model, (ids,), 8, device=DEVICE, gpus_per_node=4, example_kwargs={"labels": ids},
+                           data_parallel="ddp")
     assert plan.mesh.world_size == 8 and plan.alternatives
     assert all(c.mesh.world_size == 8 for c in plan.alternatives)
     assert all(c.mesh.size("tensor") <= 4 for c in plan.alternatives if "tensor" in c.mesh.axis_names)
     assert "chosen" in str(plan)
     sizes, names = autojigsaw.best_mesh(model, (ids,), 8, device=DEVICE, gpus_per_node=4,
-                                        example_kwargs={"labels": ids})
+                                        example_kwargs={"labels": ids}, data_parallel="ddp")
     assert (sizes, names) == (plan.mesh.sizes, plan.mesh.axis_names)
+
+
+def test_constraints_place_each_stage_by_the_entries_that_name_its_layers():
+    # one layer's MLP pinned as Megatron places it: only the stage that runs it has it; the other stage plans free
+    pins = {"model.layers.3.mlp.up_proj": "colwise", "model.layers.3.mlp.down_proj": "rowwise"}
+    plan = _plan(_llama(4), {"pipe": 2, "tensor": 2}, pipeline_schedule="1F1B", microbatches=4, constraints=pins)
+    assert plan.param_placements["model.layers.3.mlp.up_proj.weight"][-1].is_shard(0)
+    assert plan.param_placements["model.layers.3.mlp.down_proj.weight"][-1].is_shard(1)
+    with pytest.raises(ValueError, match=r"constraints\['layers.9.mlp'\] matches no parameter or module"):
+        _plan(_llama(4), {"pipe": 2, "tensor": 2}, pipeline_schedule="1F1B", microbatches=4,
+              constraints={"layers.9.mlp": "colwise"})
 
 
 def test_pipelines_that_cannot_be_are_refused_by_name():

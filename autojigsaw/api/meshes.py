@@ -22,6 +22,7 @@ from ..planner.mesh_search import estimate_mesh, factorings, lower_bound_memory
 from ..planner.layer_costs import layer_costs
 from ..planner.pipeline import NO_BUDGET, PipelineChoice
 from ..runtime.pipeline import batch_size
+from ..training import data_axes
 from .pipelines import microbatch_of, plan_model
 from .recipe import capture_for, plan_captured
 
@@ -36,14 +37,15 @@ def plan_on_gpus(model: torch.nn.Module, args: tuple, kwargs: dict, world: int, 
     device = options.device_spec()
     budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
     batch = batch_size(args, kwargs)
-    one = capture_for(model, *microbatch_of(args, kwargs, batch), options.regime(MeshSpec(("tensor",), (1,))))
+    alone = MeshSpec(("tensor",), (1,))
+    one = capture_for(model, *microbatch_of(args, kwargs, batch), _on(alone, options).regime(alone))
     meshes = factorings(world, device.devices_per_node, len(layer_stack(one)) or 1, batch)
     schedule = None if options.pipeline_schedule is None else schedule_name(options.pipeline_schedule)
     choice = PipelineChoice(schedule, options.microbatches, options.virtual_stages)
     base = _base_costs(one, options)
     estimates, pruned = [], []
     for mesh in meshes:
-        regime = options.regime(mesh)
+        regime = _on(mesh, options).regime(mesh)
         floor = lower_bound_memory(0, float(base(1).held.sum()), mesh, regime.fsdp)
         if floor > budget:
             pruned.append(MeshChoice(mesh, None, floor, False, "weights and optimizer state alone exceed the budget"))
@@ -72,6 +74,11 @@ def _base_costs(one, options: Options):
     return base
 
 
+def _on(mesh: MeshSpec, options: Options) -> Options:
+    """The options for one candidate mesh: `data_parallel` (FSDP or DDP) only where it has a data axis."""
+    return options if data_axes(mesh) else replace(options, data_parallel=None)
+
+
 def _tensor(mesh: MeshSpec) -> int:
     return mesh.size("tensor") if "tensor" in mesh.axis_names else 1
 
@@ -84,7 +91,7 @@ def _best_exact(model, args: tuple, kwargs: dict, options: Options, estimates: l
         if len(exact) == EXACT_MESHES:
             break
         try:
-            exact.append(plan_model(model, args, kwargs, est.mesh, options))
+            exact.append(plan_model(model, args, kwargs, est.mesh, _on(est.mesh, options)))
         except ValueError as e:  # the estimate fitted where the plan does not: the next one
             errors.append(MeshChoice(est.mesh, est.step_time, est.memory, False, str(e).splitlines()[0][:120]))
     if not exact:

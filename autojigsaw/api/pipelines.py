@@ -39,6 +39,7 @@ from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_param
 from ..runtime.program import Program
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
+from ..strategies.constraints import check_constraints_match
 from ..training import data_axes, pipe_axis, stage_mesh
 from .recipe import _symbolic, capture_for, plan_captured
 
@@ -66,6 +67,7 @@ def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh
     if options.input_placements is not None or options.output_placements is not None:
         raise ValueError("input_placements and output_placements place a whole model's inputs and outputs; with a pipe "
                          "axis the first stage takes the inputs and the last returns the outputs: drop them")
+    check_constraints_match(model, options.constraints)
     sub = stage_mesh(mesh)
     regime = options.regime(sub)
     device = options.device_spec()

@@ -79,7 +79,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}
     annotate(captured.gm, mesh, data_pins(captured, mesh, fixed),
              _output_placements(captured, mesh, options.output_placements, options.training))
-    constrain(captured, mesh, options.constraints, options.constraints_axis)
+    constrain(captured, mesh, options.constraints, options.constraints_axis, stage=stage)
     t1 = time.perf_counter()
     ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime)
     problem = _problem(captured, ctx, options.tie_layers)

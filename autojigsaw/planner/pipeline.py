@@ -267,7 +267,7 @@ def _stage_plans(programs: list[StageProgram], whole: Plan, plan_stage: PlanStag
             weights.update(planned[s].param_placements)
         except ValueError as e:
             raise ValueError(f"pipeline stage {s} of {last + 1} ({span_name(prog.layers)}, {k} microbatch(es) in "
-                             f"flight under {schedule}) does not fit its budget: {e}") from None
+                             f"flight under {schedule}): {e}") from None
     return [planned[s] if first_of[kind] == s else transplant(planned[first_of[kind]], programs[first_of[kind]], prog)
             for s, (kind, prog) in enumerate(zip(kinds, programs))]
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
@@ -84,13 +85,15 @@ def describe_constraints(constraints: Mapping | None, function_text: Callable | 
     return repr([(key, text(value)) for key, value in constraints.items()])
 
 
-def constrain(captured: Captured, mesh: MeshSpec, constraints: Mapping | None, axis_name: str | None = None) -> None:
+def constrain(captured: Captured, mesh: MeshSpec, constraints: Mapping | None, axis_name: str | None = None, *,
+              stage: bool = False) -> None:
     """Filter the annotated graph's strategies (node.meta[STRATEGIES]) by `constraints`; a ValueError names
-    an entry that matches nothing or cannot hold."""
+    an entry that matches nothing or cannot hold. `stage`: the graph is one pipeline stage's, where an entry
+    that matches nothing places another stage's part (check_constraints_match checks the whole model)."""
     if not constraints:
         return
     gm = captured.gm
-    pins = param_pins(captured, mesh, constraints, axis_name)
+    pins = param_pins(captured, mesh, constraints, axis_name, stage=stage)
     by_name = {n.name: n for n in gm.graph.nodes}
     for placeholder, pin in pins.items():
         _keep(by_name[placeholder], lambda s, pin=pin: _pin_holds(pin, s.outputs[0]), pin.entry,
@@ -98,10 +101,26 @@ def constrain(captured: Captured, mesh: MeshSpec, constraints: Mapping | None, a
     keep_reads_split(gm, {by_name[ph]: pin for ph, pin in pins.items()}, mesh)
     for key, value in constraints.items():
         if callable(value) and not isinstance(value, ParallelStyle):
-            _filter_nodes(gm, by_name, key, value)
+            _filter_nodes(gm, by_name, key, value, stage)
 
 
-def param_pins(captured: Captured, mesh: MeshSpec, constraints: Mapping, axis_name: str | None) -> dict[str, ParamPin]:
+def check_constraints_match(model: torch.nn.Module, constraints: Mapping | None) -> None:
+    """A ValueError naming a module or parameter entry that matches nothing in `model` (whose stages are
+    constrained apart, each by the entries that match it)."""
+    fqns = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key, value in (constraints or {}).items():
+        if not (callable(value) and not isinstance(value, ParallelStyle)) and not _matches_any(key, fqns, modules):
+            raise _unmatched(key, fqns)
+
+
+def _unmatched(key: str, fqns) -> ValueError:
+    return ValueError(f"constraints[{key!r}] matches no parameter or module of the model (e.g. "
+                      f"{next(iter(fqns), '?')!r}); a key is a glob matched at the end of a name")
+
+
+def param_pins(captured: Captured, mesh: MeshSpec, constraints: Mapping, axis_name: str | None, *,
+               stage: bool = False) -> dict[str, ParamPin]:
     """Placeholder -> what the constraints ask of that parameter: module entries first, a parameter's own last."""
     modules = module_types(captured.gm)
     fqns = {fqn: ph for ph, fqn in captured.params.items()}
@@ -121,9 +140,8 @@ def param_pins(captured: Captured, mesh: MeshSpec, constraints: Mapping, axis_na
                 settled[ph] = pin
         pins.update(settled)
     for key, value in constraints.items():
-        if not (callable(value) and not isinstance(value, ParallelStyle)) and not _matches_any(key, fqns, modules):
-            raise ValueError(f"constraints[{key!r}] matches no parameter or module of the model (e.g. "
-                             f"{next(iter(fqns), '?')!r}); a key is a glob matched at the end of a name")
+        if not (stage or callable(value) and not isinstance(value, ParallelStyle) or _matches_any(key, fqns, modules)):
+            raise _unmatched(key, fqns)
     return pins
 
 
@@ -205,13 +223,14 @@ def _allowed_text(pin: ParamPin, mesh: MeshSpec) -> str:
                      for a, ok in enumerate(pin.allowed) if ok is not None)
 
 
-def _filter_nodes(gm: GraphModule, by_name: dict[str, Node], key: str, keep: Callable[[Strategy], bool]) -> None:
-    """The nodes whose name matches `key` keep the strategies `keep` accepts."""
+def _filter_nodes(gm: GraphModule, by_name: dict[str, Node], key: str, keep: Callable[[Strategy], bool],
+                  stage: bool) -> None:
+    """The nodes whose name matches `key` keep the strategies `keep` accepts (in a stage, those it has)."""
     if any(c in key for c in "*?["):
         nodes = [n for n in gm.graph.nodes if fnmatchcase(n.name, key) and STRATEGIES in n.meta]
     else:
         nodes = [by_name[key]] if key in by_name and STRATEGIES in by_name[key].meta else []
-    if not nodes:
+    if not nodes and not stage:
         raise ValueError(f"constraints[{key!r}] is a function of a strategy and matches no node of the captured "
                          "graph: give a node name as plan.table(wide=True) shows it")
     for node in nodes:
