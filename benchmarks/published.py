@@ -143,13 +143,14 @@ def plan_run(run: PublishedRun) -> Outcome:
             notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned "
                          "without a memory limit")
             plan = planned(_NO_BUDGET, layout)
+        plan_s = time.perf_counter() - start
         if run.layout != "planned":
             notes.append(own_layout(run, planned))
     except Exception as e:  # noqa: BLE001 - one run that can't be planned must not hide the others
         return Outcome(run, None, None, fpt, time.perf_counter() - start, tuple(notes),
                        f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     tps = run.tokens_per_step / plan.step_time / run.gpus
-    return Outcome(run, tps, plan.memory_per_rank / GiB, fpt, time.perf_counter() - start, tuple(notes),
+    return Outcome(run, tps, plan.memory_per_rank / GiB, fpt, plan_s, tuple(notes),
                    split=time_split(plan))
 
 
@@ -178,7 +179,10 @@ PARTS = ("matmul", "attention", "softmax+norm", "other ops", "optimizer", "resha
 
 
 def time_split(plan) -> tuple[tuple[str, float], ...]:
-    """Seconds of the predicted step per part: node kinds (kernel-internal collectives included), resharding."""
+    """Seconds of the predicted step per part: node kinds (kernel-internal collectives included), resharding;
+    none for a pipelined plan, whose step is its schedule's (its stages' table says where it goes)."""
+    if plan.pipeline is not None:
+        return ()
     total = dict.fromkeys(PARTS, 0.0)
     for n in plan.nodes:
         total[_PARTS.get(n.kind, "other ops")] += n.compute_s
