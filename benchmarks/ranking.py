@@ -8,8 +8,11 @@ autojigsaw.calibrate measures on the mesh first), then run by `parallelize(plan=
 forward with labels, backward, Adam step, one thread per rank. Every layout's first loss must
 match the single-device model's; steps are timed between barriers, round-robin over the layouts
 (each round starting at the next layout), and the table shows the median and the interquartile
-range over the rounds. The predicted order (by plan.step_time) is compared with the measured one
-(by median): Kendall's tau, and the inversions whose interquartile ranges do not overlap.
+range over the rounds, and in how many rounds the free plan's step was the faster of the two. The
+predicted order (by plan.step_time) is compared with the measured one
+(by median): Kendall's tau, and the inversions whose interquartile ranges do not overlap. The free plan
+counts as fastest within noise when the layout measured fastest beat it in rounds no more often than
+chance would (a one-sided sign test over the paired rounds, p >= 0.05).
 
 Run: python benchmarks/ranking.py [--ranks 2|4] [--steps N] [--only MODEL] [--calibrate]
 """
@@ -27,13 +30,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from scipy.stats import kendalltau
+from scipy.stats import binomtest, kendalltau
 from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 import autojigsaw  # noqa: E402
+from autojigsaw.kernels.collectives import count_comm  # noqa: E402
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh  # noqa: E402
 from benchmarks import ranking_layouts as layouts  # noqa: E402
 
@@ -108,7 +112,11 @@ def run_rank(name: str, plans: dict, steps: int, warmup: int) -> dict:
     if bad:
         raise AssertionError(f"{name}: first losses {bad} differ from the single-device model's {reference}; "
                              "nothing was timed")
-    for run in runs.values():
+    collectives = {}
+    for layout, run in runs.items():
+        with count_comm() as log:
+            _timed(run, args, kwargs)
+        collectives[layout] = (len(log.calls), log.total_bytes)
         for _ in range(warmup):
             _timed(run, args, kwargs)
     names = list(runs)
@@ -118,7 +126,7 @@ def run_rank(name: str, plans: dict, steps: int, warmup: int) -> dict:
         for layout in names[r % len(names):] + names[:r % len(names)]:
             times[layout].append(_timed(runs[layout], args, kwargs))
     load.append(os.getloadavg()[0])
-    return {"times": times, "load": load, "reference": reference, "losses": losses}
+    return {"times": times, "load": load, "collectives": collectives}
 
 
 def _inversions(predicted: dict, medians: dict, quartiles: dict) -> tuple[int, int]:
@@ -137,18 +145,25 @@ def rows_of(name: str, plans: dict, result: dict) -> tuple[list, dict]:
     quartiles = {k: tuple(statistics.quantiles(v, n=4)[::2]) for k, v in times.items()}
     by_prediction = sorted(predicted, key=predicted.get)
     by_measure = sorted(medians, key=medians.get)
+    free_wins = {k: sum(f < t for f, t in zip(times["free"], v)) for k, v in times.items()}
     rows = []
     for layout in layouts.LAYOUTS:
         plan = autojigsaw.Plan.from_json(plans[layout][0])
         q1, q3 = quartiles[layout]
-        rows.append((name, layout, f"{predicted[layout] * 1e3:.1f}", by_prediction.index(layout) + 1,
-                     f"{plan.comm_bytes / 2**20:.2f}", f"{medians[layout] * 1e3:.1f}",
-                     f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}", by_measure.index(layout) + 1, plans[layout][1]))
+        comm_s = sum(node.comm_s for node in plan.nodes)
+        calls, sent = result["collectives"][layout]
+        rows.append((name, layout, f"{predicted[layout] * 1e3:.1f}", f"{comm_s * 1e3:.1f}",
+                     by_prediction.index(layout) + 1, f"{plan.comm_bytes / 2**20:.2f}", calls,
+                     f"{sent / 2**20:.2f}", f"{medians[layout] * 1e3:.1f}",
+                     f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}", by_measure.index(layout) + 1,
+                     "" if layout == "free" else f"{free_wins[layout]}/{len(times[layout])}", plans[layout][1]))
     tau = kendalltau([predicted[k] for k in layouts.LAYOUTS], [medians[k] for k in layouts.LAYOUTS]).statistic
     flipped, apart = _inversions(predicted, medians, quartiles)
     fastest = by_measure[0]
-    free_fastest = "yes" if fastest == "free" else (
-        "within noise" if quartiles["free"][0] <= quartiles[fastest][1] else f"no ({fastest})")
+    rounds = len(times["free"])
+    p_value = binomtest(free_wins[fastest], rounds, 0.5, alternative="less").pvalue if fastest != "free" else 1.0
+    free_fastest = "yes" if fastest == "free" else "within noise" if p_value >= 0.05 else \
+        f"no: {fastest}, free faster in {free_wins[fastest]}/{rounds} rounds (p={p_value:.0e})"
     verdict = {"model": name, "order": "same" if by_prediction == by_measure else "differs", "tau": f"{tau:.2f}",
                "inversions (IQRs apart)": f"{flipped} ({apart})", "free fastest": free_fastest,
                "load": "-".join(f"{x:.1f}" for x in result["load"])}
@@ -178,8 +193,9 @@ def main(argv: list[str] | None = None) -> None:
             print(tabulate(model_rows, tablefmt="simple"), file=sys.stderr, flush=True)
     print(f"\n{args.ranks} ranks (tensor={args.ranks}), priced on "
           f"{'autojigsaw.calibrate(mesh)' if args.calibrate else 'cpu'}, {args.steps} rounds, median and IQR:")
-    print(tabulate(rows, headers=["model", "layout", "predicted ms", "predicted rank", "predicted MiB sent",
-                                  "measured ms", "IQR ms", "measured rank", "nodes unkept"], tablefmt="github"))
+    print(tabulate(rows, headers=["model", "layout", "predicted ms", "of which comm", "predicted rank",
+                                  "predicted MiB sent", "collectives", "MiB sent", "measured ms", "IQR ms",
+                                  "measured rank", "free faster in", "nodes unkept"], tablefmt="github"))
     print()
     print(tabulate(verdicts, headers="keys", tablefmt="github"))
 
