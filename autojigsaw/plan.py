@@ -139,6 +139,10 @@ class Plan:
         decisions = [(n.name, [format_placements(p) for p in n.inputs],
                       [format_placements(p) if p else None for p in n.outputs], n.kernel)
                      for n in self.nodes]
+        if self.microbatches != 1 or self.pipeline is not None:  # a plain plan's hash as it always was
+            pipe = self.pipeline
+            decisions.append((self.microbatches, None if pipe is None else
+                              (pipe.schedule, pipe.virtual_stages, [(st.rank, st.layers) for st in pipe.stages])))
         return hashlib.sha256(json.dumps(decisions).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------ printing
@@ -253,6 +257,10 @@ class Plan:
     # ------------------------------------------------------------ JSON
 
     def to_json(self) -> str:
+        return json.dumps(self._data(), indent=1)
+
+    def _data(self) -> dict:
+        """The plan as JSON's plain data (a pipeline's stages each with its own plan)."""
         def pl(p):
             return None if p is None else format_placements(p)
 
@@ -265,16 +273,26 @@ class Plan:
             "memory_per_rank": self.memory_per_rank, "comm_bytes": self.comm_bytes,
             "step_time": self.step_time, "memory_budget": self.memory_budget, "peak_at": self.peak_at,
             "precision": self.precision, "recompute": [list(r) for r in self.recompute],
-            "data_parallel": self.data_parallel,
+            "data_parallel": self.data_parallel, "microbatches": self.microbatches,
             "nodes": [{**asdict(n), "inputs": [pl(p) for p in n.inputs],
                        "outputs": [pl(p) for p in n.outputs]} for n in self.nodes],
         }
-        return json.dumps(data, indent=1)
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            data["pipeline"] = {
+                "axis": pipe.axis, "schedule": pipe.schedule, "microbatches": pipe.microbatches,
+                "virtual_stages": pipe.virtual_stages, "bubble": pipe.bubble, "fsdp_gathers": pipe.fsdp_gathers,
+                "stages": [{"index": st.index, "rank": st.rank, "layers": list(st.layers), "plan": st.plan._data(),
+                            "forward_s": st.forward_s, "backward_s": st.backward_s, "weight_s": st.weight_s,
+                            "send_bytes": st.send_bytes, "in_flight": st.in_flight} for st in pipe.stages]}
+        return data
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        d = json.loads(text)
+        return cls._from_data(json.loads(text))
 
+    @classmethod
+    def _from_data(cls, d: dict) -> Plan:
         def pl(s):
             return None if s is None else parse_placements(s)
 
@@ -285,6 +303,11 @@ class Plan:
                             "outputs": tuple(pl(p) for p in n["outputs"])})
             for n in d["nodes"]
         )
+        pipe = d.get("pipeline")
+        pipeline = None if pipe is None else Pipeline(
+            pipe["axis"], pipe["schedule"], pipe["microbatches"], pipe["virtual_stages"],
+            tuple(StagePlan(**{**st, "layers": tuple(st["layers"]), "plan": cls._from_data(st["plan"])})
+                  for st in pipe["stages"]), pipe["bubble"], pipe["fsdp_gathers"])
         return cls(
             mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["sizes"])),
             device=d["device"], training=d["training"], nodes=nodes,
@@ -294,7 +317,7 @@ class Plan:
             memory_per_rank=d["memory_per_rank"], comm_bytes=d["comm_bytes"],
             step_time=d["step_time"], memory_budget=d["memory_budget"], peak_at=d.get("peak_at", ""),
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
-            data_parallel=d.get("data_parallel"),
+            data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1), pipeline=pipeline,
         )
 
 

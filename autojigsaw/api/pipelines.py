@@ -15,6 +15,7 @@ import functools
 from dataclasses import replace
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..capture import Captured, refuse_backward_hooks
 from ..capture.stages import cut, layer_stack
@@ -33,12 +34,12 @@ from ..runtime.fsdp import shard_in_units
 from ..runtime.materialize import materialize_model
 from ..runtime.one_plan import planned_on_rank0
 from ..runtime.one_program import follow_rank0_order
-from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_parameters, loss_reader, make_stage,
-                                meta_like, split_microbatches, stage_device_mesh)
+from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_parameters, loss_dtype, loss_reader,
+                                make_stage, meta_like, split_microbatches, stage_device_mesh, tensor_shapes)
 from ..runtime.program import Program
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
-from ..training import stage_mesh
+from ..training import data_axes, stage_mesh
 from .recipe import capture_for, plan_captured
 
 
@@ -99,64 +100,105 @@ def build_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_
     check_group(device_mesh, mesh)
     refuse_backward_hooks(model)
     sub, regime = stage_mesh(mesh), options.regime(stage_mesh(mesh))
-    whole = capture_for(model, args, kwargs, regime)
-    follow_rank0_order(whole)
-    plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
-    check_agreement({**program_facts(whole), "plan": plan_fact, "options": options.describe()})
+    # with a plan given, the one capture is its microbatch's; without, the whole batch's first, to agree on
+    # before rank 0 plans
+    captured = _capture_agreed(model, args, kwargs, regime, plan, options)
     if plan is None:
         plan = planned_on_rank0(lambda: plan_pipelined(model, args, kwargs, mesh, options))
     if plan.pipeline is None or plan.mesh != mesh:
         raise ValueError(f"the plan was made for mesh {plan.mesh.describe()} without this pipe axis: plan again for "
                          f"{mesh.describe()}")
-    check_same_values(values_to_agree(model, whole, args, kwargs, weights=True, whole_inputs=True))
+    check_same_values(values_to_agree(model, captured, args, kwargs, weights=True, whole_inputs=True))
     pipeline = plan.pipeline
-    captured = capture_for(model, *microbatch_of(args, kwargs, pipeline.microbatches), regime)
-    follow_rank0_order(captured)
+    if [x for x in captured.input_shapes if x is not None] != _microbatch_shapes(args, kwargs, pipeline.microbatches):
+        captured = _capture_agreed(model, args, kwargs, regime, plan, options)
     programs = cut(captured, starts_of(plan, captured))
     stage_dm = stage_device_mesh(device_mesh, mesh)
     rank = RankView.of(stage_dm, sub)
     me = device_mesh.get_local_rank(pipeline.axis)
     mine = pipeline.stages_of(me)
     tied = _tied(model, pipeline, rank, me)
+    _refuse_fsdp_in_two_stages(pipeline, programs, regime, sub)
     weights = {fqn: pl for st in mine for fqn, pl in st.plan.param_placements.items()}
     materialize_model(model, weights, stage_dm, rank.coord)
     drop_parameters(model, keep=set(weights))
     built = [_stage_program(model, programs[st.index], st.plan, rank, stage_dm, regime, options, compile)
              for st in mine]
-    stages = [make_stage(StageModule(functools.partial(_call, model, p, st.index > 0),
-                                     [model.get_parameter(fqn) for fqn in sorted(set(p.captured.params.values()))],
-                                     first=st.index == 0),
-                         st.index, len(pipeline.stages), torch.device(device_mesh.device_type),
-                         device_mesh.get_group(pipeline.axis), *_metas(p, st.index, args, pipeline.microbatches))
-              for st, p in zip(mine, built)]
+    group, device = device_mesh.get_group(pipeline.axis), torch.device(device_mesh.device_type)
+    stages = [make_stage(module, st.index, len(pipeline.stages), device, group,
+                         *_metas(p, st.index, args, pipeline.microbatches))
+              for st, (module, p) in zip(mine, built)]
     cls = SCHEDULES[pipeline.schedule]
     schedule = cls(stages[0] if pipeline.schedule in SINGLE else stages, n_microbatches=pipeline.microbatches,
-                   loss_fn=loss_reader(captured.out_spec))
+                   loss_fn=loss_reader(captured.out_spec, pipeline.microbatches), scale_grads=False)
     run = PipelineRun(pipeline, schedule, tuple(st.index for st in mine), device_mesh.get_group(pipeline.axis), model,
-                      tied, tuple(built))
+                      tied, tuple(p for _, p in built), loss_dtype(captured), tensor_shapes(args, kwargs),
+                      tuple(stages))
     return plan, run
 
 
-def _call(model: torch.nn.Module, program: Program, received: bool, flat: list) -> tuple:
-    """A stage program's outputs for the flat inputs the stage receives (within FSDP's root unit, if any): the
-    first stage's whole inputs, sliced here; the others' (`received`) shards, as the stage before sent them."""
-    def run():
-        return program.run(*program_feeds(model, program, flat, local_inputs=received))
+def _capture_agreed(model: torch.nn.Module, args: tuple, kwargs: dict, regime, plan: Plan | None,
+                    options: Options) -> Captured:
+    """The model captured at the plan's microbatch (without a plan: at the whole batch), in rank 0's order, every
+    rank agreeing on it, the plan and the options; a model that returns no loss is refused, on every rank alike."""
+    inputs = (args, kwargs) if plan is None or plan.pipeline is None else \
+        microbatch_of(args, kwargs, plan.pipeline.microbatches)
+    captured = capture_for(model, *inputs, regime)
+    loss_dtype(captured)
+    follow_rank0_order(captured)
+    plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
+    check_agreement({**program_facts(captured), "plan": plan_fact, "options": options.describe()})
+    return captured
 
-    return run() if program.units is None else program.units.run(run)
+
+def _microbatch_shapes(args: tuple, kwargs: dict, microbatches: int) -> list:
+    return [tuple(x.shape) for x in pytree.tree_leaves(microbatch_of(args, kwargs, microbatches))
+            if isinstance(x, torch.Tensor)]
+
+
+def _call(model: torch.nn.Module, program: Program, received: bool, flat: list) -> tuple:
+    """A stage program's outputs for the flat inputs the stage receives: the first stage's whole inputs, sliced
+    here; the others' (`received`) shards, as the stage before sent them."""
+    return program.run(*program_feeds(model, program, flat, local_inputs=received))
 
 
 def _stage_program(model, program, plan: Plan, rank: RankView, stage_dm, regime, options: Options,
-                   compile: bool | str) -> Program:
-    """One stage's Program on this rank: FSDP's units over its weights, its rewritten graph, compiled."""
+                   compile: bool | str) -> tuple[StageModule, Program]:
+    """One stage on this rank: its module (holding its weights; under FSDP, the root of its units), and its
+    Program (its rewritten graph, compiled, run through the units)."""
     captured = program.captured
-    units = shard_in_units(model, captured, stage_dm, regime)
     first = program.index == 0
+    module = StageModule(first=first)
+    units = shard_in_units(model, captured, stage_dm, regime, stage=module)
+    if units is None:
+        module.hold({ph: model.get_parameter(fqn) for ph, fqn in captured.params.items()})
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values)
                                if (value_carries_grad(v) if first else v.is_floating_point()))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
     split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
-    return Program(captured, plan, rank, gm, runnable(split, pieces, units, compile), regime.precision, None, units)
+    built = Program(captured, plan, rank, gm, runnable(split, pieces, units, compile), regime.precision, None, units)
+    module.call = functools.partial(_call, model, built, not first)
+    return module, built
+
+
+def _refuse_fsdp_in_two_stages(pipeline: Pipeline, programs: list, regime, sub: MeshSpec) -> None:
+    """FSDP shards a weight in one unit: a weight that two stages of one pipe rank read (a tied embedding and head
+    at the two ends of zero-bubble's V) cannot be in both stages' units. Checked for every rank, on every rank."""
+    axes = data_axes(sub)
+    if not regime.fsdp or not axes or sub.sizes[axes[0]] == 1:
+        return
+    for r in range(pipeline.ranks):
+        readers: dict[str, list[int]] = {}
+        for st in pipeline.stages_of(r):
+            for fqn in set(programs[st.index].captured.params.values()):
+                readers.setdefault(fqn, []).append(st.index)
+        shared = sorted((fqn, idx) for fqn, idx in readers.items() if len(idx) > 1)
+        if shared:
+            fqn, idx = shared[0]
+            raise ValueError(f"weight {fqn!r} is read by stages {idx}, which pipe rank {r} both runs under "
+                             f"{pipeline.schedule!r}, and FSDP (data_parallel='fsdp' on axis {sub.axis_names[axes[0]]!r}) "
+                             "shards a weight in one stage's units only: choose a schedule that puts those stages "
+                             "on different pipe ranks ('1F1B', 'gpipe' or 'interleaved'), or data_parallel='ddp'")
 
 
 def _metas(program: Program, index: int, args: tuple, microbatches: int) -> tuple[tuple, tuple]:

@@ -116,13 +116,14 @@ class ParallelModule(nn.Module):
             return self._pipeline.step(args, kwargs)
         microbatches = self.plan.microbatches if self.plan is not None else 1
         chunks = split_microbatches(args, kwargs, microbatches)
-        total = torch.zeros(())
+        total = None
         for k, (a, kw) in enumerate(chunks):
             if self._units is not None:
                 self._units.sync_gradients(k == len(chunks) - 1)
             loss = loss_of(self(*a, **kw)) / len(chunks)
             loss.backward()
-            total = total + loss.detach().float()
+            part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+            total = part if total is None else total + part
         return total
 
     def build(self, args: tuple, kwargs: dict) -> None:
