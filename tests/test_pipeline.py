@@ -23,13 +23,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autojigsaw
-from autojigsaw import Plan
+from autojigsaw import Options, Plan
+from autojigsaw.api.pipelines import starts_of
+from autojigsaw.capture import capture
+from autojigsaw.capture.stages import cut
+from autojigsaw.mesh import MeshSpec
+from autojigsaw.runtime.pipeline import refuse_fsdp_in_two_stages
 from autojigsaw.testing.local_ranks import get_mesh
 
 from . import hf_models  # noqa: F401 -- quiets transformers' logging
@@ -44,6 +50,8 @@ PIPE_DATA = (("pipe", 2), ("data", 2))
 # per-rank budgets (bytes) under which every stage must shard its weights over the tensor axis: 0.7 of
 # what each model's stages need on the pipe axis alone (1.08 MB, 1.73 MB)
 TENSOR_BUDGET = {"llama": 750_000, "gpt2": 1_200_000}
+TENSOR = (("tensor", 2),)
+ACCUMULATION_BUDGET = {"llama": 950_000}  # 0.7 of what one rank needs with every tensor whole (1.35 MB)
 
 
 def _model(name: str, layers: int = 4, dtype: torch.dtype = torch.float64):
@@ -104,36 +112,81 @@ class _CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _step(pmodel, ref, ids, opt, ref_opt, out: dict) -> None:
+    """One AdamW step of both models, the largest differences of the loss and of each gradient kept in `out`,
+    FSDP's collectives of the step in out["collectives"]."""
+    with _CountCollectives() as comm:
+        loss = pmodel.train_step(ids, labels=ids)
+    ref_loss = ref(ids, labels=ids).loss
+    ref_loss.backward()
+    out["loss"] = max(out.get("loss", 0.0), abs(loss.item() - ref_loss.item()))
+    out["collectives"] = comm.counts
+    for fqn, p in sorted(pmodel.named_parameters()):
+        q = ref.get_parameter(fqn)
+        out.setdefault("grad", {})[fqn] = max(out["grad"].get(fqn, 0.0), _diff(_whole(p.grad), q.grad))
+        out["scale"] = max(out.get("scale", 0.0), q.grad.abs().max().item())
+    opt.step(), ref_opt.step()
+    opt.zero_grad(), ref_opt.zero_grad()
+
+
+def _params(pmodel, ref, out: dict) -> dict:
+    """`out` with the largest difference of each parameter this rank holds and the names of all."""
+    out["param"] = {fqn: _diff(_whole(p), ref.get_parameter(fqn)) for fqn, p in sorted(pmodel.named_parameters())}
+    out["names"] = sorted(n for n, _ in ref.named_parameters())
+    return out
+
+
 def _train(name: str, mesh: tuple, plan: str, *, layers: int = 4, steps: int = 2, save: str | None = None,
            **options) -> dict:
     """`steps` AdamW steps of the parallel model (train_step) and of the single-device one on the whole batch:
     per parameter this rank holds, the largest differences of its gradients and of its values after the steps;
-    the loss's; FSDP's collectives in the last step and FSDP's units here. `save`: a DCP checkpoint path."""
+    the loss's; FSDP's collectives in the last step and FSDP's units here. `save`: a DCP checkpoint path, written
+    after the steps with the optimizer's state."""
     pmodel, ref, ids = _parallel(name, mesh, plan, layers=layers, **options)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    out = {"loss": 0.0, "grad": {}, "param": {}, "scale": 0.0}
+    out = {}
     for _ in range(steps):
-        with _CountCollectives() as comm:
-            loss = pmodel.train_step(ids, labels=ids)
-        ref_loss = ref(ids, labels=ids).loss
-        ref_loss.backward()
-        out["loss"] = max(out["loss"], abs(loss.item() - ref_loss.item()))
-        for fqn, p in sorted(pmodel.named_parameters()):
-            q = ref.get_parameter(fqn)
-            out["grad"][fqn] = max(out["grad"].get(fqn, 0.0), _diff(_whole(p.grad), q.grad))
-            out["scale"] = max(out["scale"], q.grad.abs().max().item())
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    for fqn, p in sorted(pmodel.named_parameters()):
-        out["param"][fqn] = _diff(_whole(p), ref.get_parameter(fqn))
-    out["names"] = sorted(n for n, _ in ref.named_parameters())
-    out["collectives"] = comm.counts
+        _step(pmodel, ref, ids, opt, ref_opt, out)
     out["units"] = sum(isinstance(m, FSDPModule) and bool(m._parameters) for m in _fsdp_modules(pmodel))
     if save is not None:
-        dcp.save({"model": pmodel.state_dict(), "optim": get_optimizer_state_dict(pmodel, opt)}, checkpoint_id=save)
+        dcp.save(_state(pmodel, opt), checkpoint_id=save)
         out["saved"] = _full(pmodel)
-    return out
+    return _params(pmodel, ref, out)
+
+
+def _state(pmodel, opt) -> dict:
+    """What a checkpoint holds: the model's and the optimizer's state, by parameter name (flattened: the
+    optimizer of each pipe rank holds other parameters)."""
+    return {"model": pmodel.state_dict(),
+            "optim": get_optimizer_state_dict(pmodel, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))}
+
+
+def _full(pmodel) -> dict[str, np.ndarray]:
+    """Copies of the whole parameters this rank holds, as numpy arrays."""
+    return {n: _whole(p.detach()).numpy().copy() for n, p in sorted(pmodel.named_parameters())}
+
+
+def _resume(name: str, mesh: tuple, plan: str, path: str, steps_before: int, *, save: str | None = None,
+            **options) -> dict:
+    """Load the checkpoint at `path` (written after `steps_before` steps) into the parallel model and its
+    optimizer, then one more step beside the single-device model trained as long: the loaded weights, and the
+    differences as `_train` gives them. `save`: a checkpoint written after that step."""
+    pmodel, ref, ids = _parallel(name, mesh, plan, **options)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(steps_before):
+        ref(ids, labels=ids).loss.backward()
+        ref_opt.step(), ref_opt.zero_grad()
+    state = _state(pmodel, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(pmodel, opt, state["optim"], options=StateDictOptions(flatten_optimizer_state_dict=True))
+    out = {"loaded": _full(pmodel)}
+    _step(pmodel, ref, ids, opt, ref_opt, out)
+    if save is not None:
+        dcp.save(_state(pmodel, opt), checkpoint_id=save)
+        out["saved"] = _full(pmodel)
+    return _params(pmodel, ref, out)
 
 
 def _fsdp_modules(pmodel) -> list:
@@ -169,30 +222,197 @@ def _check_fsdp_once(results: list[dict]) -> None:
         assert r["units"] > 0 and r["collectives"] == {"gathers": r["units"], "reduce_scatters": r["units"]}, r
 
 
-# ---------------------------------------------------------------- schedules and meshes
+def _options(name: str, mesh: tuple, **options) -> dict:
+    """The options of a case: a tensor axis with the budget that makes it shard, a data axis with FSDP."""
+    axes = dict(mesh)
+    if "tensor" in axes:
+        options["memory_budget"] = (TENSOR_BUDGET if "pipe" in axes else ACCUMULATION_BUDGET)[name]
+    if "data" in axes:
+        options["data_parallel"] = "fsdp"
+    return options
 
-CASES = [  # (model, mesh, schedule, options): each schedule on a mesh, both models on each mesh
+
+# ---------------------------------------------------------------- schedules, meshes, recomputation
+
+CASES = [  # (model, mesh, schedule, options): each schedule; both models on each mesh (Llama on pipe x tensor
+    # in the checkpoint test); recomputation under FSDP
     ("llama", PIPE, "1F1B", {}),
     ("gpt2", PIPE, "zero-bubble", {}),
-    ("llama", PIPE_TENSOR, "interleaved", {"virtual_stages": 2}),
     ("gpt2", PIPE_TENSOR, "gpipe", {}),
-    ("llama", PIPE_DATA, "gpipe", {}),
-    ("gpt2", PIPE_DATA, "interleaved", {"virtual_stages": 2}),
+    ("llama", PIPE_DATA, "gpipe", {"activation_checkpointing": "full"}),
+    ("gpt2", PIPE_DATA, "interleaved", {"virtual_stages": 2, "activation_checkpointing": "selective"}),
 ]
 
 
 @pytest.mark.parametrize("name,mesh,schedule,options", CASES,
                          ids=[f"{c[0]}-{'x'.join(a for a, _ in c[1])}-{c[2]}" for c in CASES])
 def test_pipeline_trains_like_one_device(ranks2, ranks4, name, mesh, schedule, options):
+    options = _options(name, mesh, **options)
+    plan = Plan.from_json(_plan(name, mesh, pipeline_schedule=schedule, **options))
+    assert plan.pipeline.schedule == schedule and plan.pipeline.microbatches == MICROBATCHES
     if "tensor" in dict(mesh):
-        options = {**options, "memory_budget": TENSOR_BUDGET[name]}
-    if "data" in dict(mesh):
-        options = {**options, "data_parallel": "fsdp"}
-    plan = _plan(name, mesh, pipeline_schedule=schedule, **options)
-    assert Plan.from_json(plan).pipeline.schedule == schedule
-    if "tensor" in dict(mesh):
-        assert _sharded_on_tensor(Plan.from_json(plan)), "the budget lets every stage keep its weights whole"
-    results = (ranks4 if len(mesh) == 2 else ranks2).run(_train, name, mesh, plan, **options)
+        assert _sharded_on_tensor(plan), "the budget lets every stage keep its weights whole"
+    if "activation_checkpointing" in options:
+        assert len(plan.recompute) == 4, plan.recompute
+    results = (ranks4 if len(mesh) == 2 else ranks2).run(_train, name, mesh, plan.to_json(), **options)
     _check(results)
     if "data" in dict(mesh):
         _check_fsdp_once(results)
+
+
+def test_five_layers_split_unevenly_over_two_stages(ranks2):
+    plan = Plan.from_json(_plan("gpt2", PIPE, layers=5, pipeline_schedule="1F1B"))
+    assert sorted(len(st.layers) for st in plan.pipeline.stages) in ([1, 4], [2, 3]), plan.pipeline.stages
+    _check(ranks2.run(_train, "gpt2", PIPE, plan.to_json(), layers=5))
+
+
+def _train_bf16(name: str, mesh: tuple, plan: str, **options) -> dict:
+    """One step of the model over `mesh` in bf16 with fp32 masters, and of the single-device model in bf16 (the
+    same casts, no autocast): the loss's and each gradient's differences relative to the largest gradient."""
+    pmodel, ref, ids = _parallel(name, mesh, plan, dtype=torch.float32, mp_policy=BF16, **options)
+    low = copy.deepcopy(ref).to(torch.bfloat16)
+    loss = pmodel.train_step(ids, labels=ids)
+    low_loss = low(ids, labels=ids).loss
+    low_loss.backward()
+    scale = max(q.grad.abs().max().item() for q in low.parameters())
+    grads = {fqn: _diff(_whole(p.grad), low.get_parameter(fqn).grad) / scale for fqn, p in pmodel.named_parameters()}
+    return {"loss": abs(loss.item() - low_loss.item()) / abs(low_loss.item()), "grad": grads,
+            "dtypes": sorted({str(p.dtype) for p in pmodel.parameters()} | {str(p.grad.dtype) for p in
+                                                                               pmodel.parameters()}),
+            "names": sorted(n for n, _ in low.named_parameters())}
+
+
+def test_bf16_stages_train_like_one_device_in_bf16(ranks4):
+    options = _options("llama", PIPE_DATA, mp_policy=BF16)
+    plan = _plan("llama", PIPE_DATA, dtype=torch.float32, pipeline_schedule="1F1B", **options)
+    results = ranks4.run(_train_bf16, "llama", PIPE_DATA, plan, **options)
+    assert set().union(*(r["grad"] for r in results)) == set(results[0]["names"])
+    for r in results:
+        assert r["dtypes"] == ["torch.float32"], r["dtypes"]  # fp32 masters and gradients
+        assert r["loss"] <= BF16_TOL and max(r["grad"].values()) <= BF16_TOL, r
+
+
+# ---------------------------------------------------------------- gradient accumulation without a pipe axis
+
+ACCUMULATION = [("llama", (("tensor", 2),)), ("gpt2", (("data", 2),))]
+
+
+@pytest.mark.parametrize("name,mesh", ACCUMULATION, ids=[a for _, ((a, _),) in ACCUMULATION])
+def test_gradient_accumulation_without_a_pipe_axis_trains_like_one_device(ranks2, name, mesh):
+    options = _options(name, mesh)
+    plan = Plan.from_json(_plan(name, mesh, **options))
+    assert plan.microbatches == MICROBATCHES and plan.pipeline is None
+    if "tensor" in dict(mesh):
+        assert any(not pl[0].is_replicate() for pl in plan.param_placements.values()), "weights kept whole"
+    results = ranks2.run(_train, name, mesh, plan.to_json(), **options)
+    _check(results)
+    for r in results:
+        if "data" in dict(mesh):  # FSDP sums the gradients once, after the last microbatch
+            assert r["units"] > 0 and r["collectives"]["reduce_scatters"] == r["units"], r
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _reference(name: str, steps: int):
+    """The single-device model after `steps` AdamW steps, and its loss at the next."""
+    ref, ids = _model(name)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(steps):
+        ref(ids, labels=ids).loss.backward()
+        opt.step(), opt.zero_grad()
+    return ref, ids
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name  # bit-exact
+
+
+def _merged(results: list[dict], key: str) -> dict:
+    return {name: value for r in results for name, value in r[key].items()}
+
+
+def test_a_checkpoint_moves_between_a_pipe_axis_and_none(ranks2, ranks4, tmp_path):
+    # saved on pipe x tensor (each pipe rank writes its stages' weights, DTensors on the tensor axis), loaded on
+    # tensor=2 and on one device; saved there after one more step, loaded back on pipe x tensor
+    piped, flat = str(tmp_path / "pipe"), str(tmp_path / "flat")
+    options = _options("llama", PIPE_TENSOR, virtual_stages=2)
+    plan = _plan("llama", PIPE_TENSOR, pipeline_schedule="interleaved", **options)
+    assert _sharded_on_tensor(Plan.from_json(plan))
+    results = ranks4.run(_train, "llama", PIPE_TENSOR, plan, save=piped, **options)
+    _check(results)
+    saved = _merged(results, "saved")
+    tensor_options = _options("llama", TENSOR)
+    resumed = ranks2.run(_resume, "llama", TENSOR, _plan("llama", TENSOR, **tensor_options), piped, 2, save=flat,
+                         **tensor_options)
+    for r in resumed:
+        _assert_equal(r["loaded"], saved)
+    _check(resumed)
+    dcp_to_torch_save(piped, tmp_path / "full.pt")
+    single, ids = _model("llama")
+    single.load_state_dict(torch.load(tmp_path / "full.pt", weights_only=False)["model"])
+    _assert_equal({n: p.detach().numpy() for n, p in single.named_parameters()}, saved)
+    ref, _ = _reference("llama", 2)
+    assert abs(single(ids, labels=ids).loss.item() - ref(ids, labels=ids).loss.item()) <= TOL
+    back = ranks4.run(_resume, "llama", PIPE_TENSOR, plan, flat, 3, **options)
+    _assert_equal(_merged(back, "loaded"), resumed[0]["saved"])
+    _check(back)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _bad_inputs(plan: str) -> dict[str, str]:
+    """The messages of what train_step and forward refuse, with a pipe axis and without; a step after them."""
+    model, ids = _model("llama")
+    mesh = get_mesh((2,), ("pipe",))
+    out = {"no inputs": _error(lambda: autojigsaw.parallelize(copy.deepcopy(model), mesh, compile=False)),
+           "no loss": _error(lambda: autojigsaw.parallelize(copy.deepcopy(model), mesh, (ids,), compile=False,
+                                                            plan=Plan.from_json(plan)))}
+    pmodel = autojigsaw.parallelize(model, mesh, (ids,), example_kwargs={"labels": ids}, compile=False,
+                                    plan=Plan.from_json(plan))
+    out["forward"] = _error(lambda: pmodel(ids, labels=ids))
+    out["indivisible"] = _error(lambda: pmodel.train_step(ids[:6], labels=ids[:6]))
+    out["other shape"] = _error(lambda: pmodel.train_step(ids[:, :4], labels=ids[:, :4]))
+    out["steps after"] = str(torch.isfinite(pmodel.train_step(ids, labels=ids)).item())
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    flat = autojigsaw.parallelize(mlp, get_mesh((2,), ("tensor",)), (x,), compile=False, microbatches=2)
+    out["no loss, no pipe"] = _error(lambda: flat.train_step(x))
+    out["indivisible, no pipe"] = _error(lambda: flat.train_step(x[:3]))
+    return out
+
+
+def test_bad_input_is_refused_with_the_fix(ranks2):
+    for out in ranks2.run(_bad_inputs, _plan("llama", PIPE, pipeline_schedule="1F1B")):
+        assert "pass example_inputs" in out["no inputs"], out
+        assert "train_step needs a model that returns its loss" in out["no loss"], out
+        assert "pmodel.train_step(*inputs, **kwargs)" in out["forward"], out
+        assert "microbatches=4 does not divide the batch of 6" in out["indivisible"], out
+        assert "built for inputs of shapes [(8, 8), (8, 8)]" in out["other shape"], out
+        assert out["steps after"] == "True", out
+        assert "train_step needs a model that returns its loss" in out["no loss, no pipe"], out
+        assert "microbatches=2 does not divide the batch of 3" in out["indivisible, no pipe"], out
+
+
+def test_fsdp_refuses_a_weight_two_stages_of_one_rank_read():
+    # zero-bubble's V puts the first and the last stage on pipe rank 0: GPT-2's tied embedding and head
+    plan = Plan.from_json(_plan("gpt2", PIPE, pipeline_schedule="zero-bubble"))
+    model, ids = _model("gpt2")
+    captured = capture(model, (ids[:2],), {"labels": ids[:2]})
+    programs = cut(captured, starts_of(plan, captured))
+    regime = Options(data_parallel="fsdp").regime(MeshSpec(("data",), (2,)))
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight' is read by stages \[0, 3\], which pipe rank 0 "
+                                         r"both runs under 'zero-bubble'.*data_parallel='ddp'"):
+        refuse_fsdp_in_two_stages(plan.pipeline, [set(p.captured.params.values()) for p in programs], regime,
+                                  MeshSpec(("data",), (2,)))

@@ -35,11 +35,12 @@ from ..runtime.materialize import materialize_model
 from ..runtime.one_plan import planned_on_rank0
 from ..runtime.one_program import follow_rank0_order
 from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_parameters, loss_dtype, loss_reader,
-                                make_stage, meta_like, split_microbatches, stage_device_mesh, tensor_shapes)
+                                make_stage, meta_like, refuse_fsdp_in_two_stages, split_microbatches,
+                                stage_device_mesh, tensor_shapes)
 from ..runtime.program import Program
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
-from ..training import data_axes, stage_mesh
+from ..training import stage_mesh
 from .recipe import capture_for, plan_captured
 
 
@@ -118,7 +119,7 @@ def build_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_
     me = device_mesh.get_local_rank(pipeline.axis)
     mine = pipeline.stages_of(me)
     tied = _tied(model, pipeline, rank, me)
-    _refuse_fsdp_in_two_stages(pipeline, programs, regime, sub)
+    refuse_fsdp_in_two_stages(pipeline, [set(p.captured.params.values()) for p in programs], regime, sub)
     weights = {fqn: pl for st in mine for fqn, pl in st.plan.param_placements.items()}
     materialize_model(model, weights, stage_dm, rank.coord)
     drop_parameters(model, keep=set(weights))
@@ -179,26 +180,6 @@ def _stage_program(model, program, plan: Plan, rank: RankView, stage_dm, regime,
     built = Program(captured, plan, rank, gm, runnable(split, pieces, units, compile), regime.precision, None, units)
     module.call = functools.partial(_call, model, built, not first)
     return module, built
-
-
-def _refuse_fsdp_in_two_stages(pipeline: Pipeline, programs: list, regime, sub: MeshSpec) -> None:
-    """FSDP shards a weight in one unit: a weight that two stages of one pipe rank read (a tied embedding and head
-    at the two ends of zero-bubble's V) cannot be in both stages' units. Checked for every rank, on every rank."""
-    axes = data_axes(sub)
-    if not regime.fsdp or not axes or sub.sizes[axes[0]] == 1:
-        return
-    for r in range(pipeline.ranks):
-        readers: dict[str, list[int]] = {}
-        for st in pipeline.stages_of(r):
-            for fqn in set(programs[st.index].captured.params.values()):
-                readers.setdefault(fqn, []).append(st.index)
-        shared = sorted((fqn, idx) for fqn, idx in readers.items() if len(idx) > 1)
-        if shared:
-            fqn, idx = shared[0]
-            raise ValueError(f"weight {fqn!r} is read by stages {idx}, which pipe rank {r} both runs under "
-                             f"{pipeline.schedule!r}, and FSDP (data_parallel='fsdp' on axis {sub.axis_names[axes[0]]!r}) "
-                             "shards a weight in one stage's units only: choose a schedule that puts those stages "
-                             "on different pipe ranks ('1F1B', 'gpipe' or 'interleaved'), or data_parallel='ddp'")
 
 
 def _metas(program: Program, index: int, args: tuple, microbatches: int) -> tuple[tuple, tuple]:

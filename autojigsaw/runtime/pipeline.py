@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from ..mesh import MeshSpec
 from ..placements import local_shape
 from ..plan import Pipeline
-from ..training import pipe_axis
+from ..training import Regime, data_axes, pipe_axis
 from .fsdp import WeightHolder
 
 
@@ -148,6 +148,29 @@ def stage_device_mesh(device_mesh, mesh: MeshSpec):
         flat = device_mesh.mesh.reshape(-1, 1)
         stage = DeviceMesh(device_mesh.device_type, flat, mesh_dim_names=(mesh.axis_names[axis], "tensor"))["tensor"]
     return _STAGE_MESHES.setdefault(device_mesh, stage)
+
+
+def refuse_fsdp_in_two_stages(pipeline: Pipeline, stage_weights: Sequence[set[str]], regime: Regime,
+                              sub: MeshSpec) -> None:
+    """FSDP shards a weight in one unit: a weight that two stages of one pipe rank read (a tied embedding and head
+    at the two ends of zero-bubble's V) cannot be in both stages' units. `stage_weights`: the FQNs each stage
+    reads. Checked for every rank, on every rank (all refuse alike)."""
+    axes = data_axes(sub)
+    if not regime.fsdp or not axes or sub.sizes[axes[0]] == 1:
+        return
+    for r in range(pipeline.ranks):
+        readers: dict[str, list[int]] = {}
+        for st in pipeline.stages_of(r):
+            for fqn in stage_weights[st.index]:
+                readers.setdefault(fqn, []).append(st.index)
+        shared = sorted((fqn, idx) for fqn, idx in readers.items() if len(idx) > 1)
+        if shared:
+            fqn, idx = shared[0]
+            raise ValueError(f"weight {fqn!r} is read by stages {idx}, which pipe rank {r} both runs under "
+                             f"{pipeline.schedule!r}, and FSDP (data_parallel='fsdp' on axis "
+                             f"{sub.axis_names[axes[0]]!r}) shards a weight in one stage's units only: choose a "
+                             "schedule that puts those stages on different pipe ranks ('1F1B', 'gpipe' or "
+                             "'interleaved'), or data_parallel='ddp'")
 
 
 def drop_parameters(model: nn.Module, keep: set[str]) -> None:
