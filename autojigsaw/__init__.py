@@ -1,6 +1,6 @@
 """autojigsaw: automatic domain + tensor parallelism for unmodified PyTorch models."""
 
-from .api import evaluate, parallelize, plan
+from .api import best_mesh, evaluate, parallelize, plan
 from .cost_model.calibrate import calibrate
 from .cost_model.devices import DeviceSpec
 from .mesh import MeshSpec
@@ -10,5 +10,5 @@ from .runtime.init import meta_init
 from .runtime.loading import load_shard, stand_in
 from .runtime.module import ParallelModule
 
-__all__ = ["DeviceSpec", "MeshSpec", "NodeSharding", "Options", "ParallelModule", "Plan", "calibrate", "evaluate",
-           "load_shard", "meta_init", "parallelize", "plan", "stand_in"]
+__all__ = ["DeviceSpec", "MeshSpec", "NodeSharding", "Options", "ParallelModule", "Plan", "best_mesh", "calibrate",
+           "evaluate", "load_shard", "meta_init", "parallelize", "plan", "stand_in"]

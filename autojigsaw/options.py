@@ -11,6 +11,7 @@ import dataclasses
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -18,7 +19,8 @@ from .cost_model.devices import DeviceSpec, device_spec
 from .cost_model.memory import Optimizer, OptimizerName
 from .mesh import MeshSpec
 from .placements import Placements
-from .planner.milp import Solution
+from .planner.milp import DEFAULT_MIP_GAP, Solution
+from .strategies.constraints import check_constraints, describe_constraints
 from .training import DataParallel, RecomputePolicy, Regime
 
 DEFAULT_DEVICE = "h100"  # the spec a plan is priced on when `device` is None and no mesh says otherwise
@@ -59,6 +61,22 @@ class Options:
       gradient accumulation (`ParallelModule.train_step` runs them one after another); None: the
       planner chooses with a pipe axis, 1 without.
     - `virtual_stages`: pipeline stages per pipe rank (interleaved schedules); None: chosen.
+    - `gpus_per_node`: ranks per node, which decide the links each mesh axis crosses (and, given a number
+      of GPUs for the mesh, bound the tensor axis); None: the device spec's (8 for the GPU specs).
+    - `constraints`: layouts the plan must keep, the rest the planner's: a dict of a module path or
+      parameter name (a glob matched at the end of the name: "layers.*.mlp.down_proj") -> a style on
+      `constraints_axis` -- transformers' ("colwise", "rowwise", "embedding_rowwise", "sequence_parallel",
+      ...: `constraints=model.config.base_model_tp_plan` places every weight as transformers' tensor
+      parallelism does), torch's ColwiseParallel(), RowwiseParallel(), SequenceParallel(), or "split"
+      (split on a dim the planner chooses) -- or placements, one per mesh axis (None: the planner's). A
+      weight pinned split is read split there, never gathered; activations stay the planner's. A node
+      name (as plan.table(wide=True) shows it) -> a function of a candidate strategy (its inputs,
+      outputs, kernel) keeps the node to those it accepts. An entry that matches nothing or cannot hold
+      is a ValueError naming it.
+    - `constraints_axis`: the mesh axis a style applies to; None: the one named "tensor" or "tp".
+    - `mip_gap`: the solve ends at a plan proven within this relative gap of the fastest plan (0.01: within
+      1 %, the cost model's own error is several times that; 0: proven optimal). `plan.stats.gap` and the
+      summary line say what was proven ("optimal", "within 0.4 % of optimal").
     - `solver`: called as `autojigsaw.planner.solve(problem, budget, **kw)` is, in its place (None: that,
       HiGHS with 300 s per solve), e.g. `functools.partial(autojigsaw.planner.solve, time_limit=60)`.
 
@@ -82,6 +100,10 @@ class Options:
     pipeline_schedule: str | type | None = None
     microbatches: int | None = None
     virtual_stages: int | None = None
+    gpus_per_node: int | None = None
+    constraints: Mapping[str, Any] | None = None
+    constraints_axis: str | None = None
+    mip_gap: float = DEFAULT_MIP_GAP
     solver: Callable[..., Solution | None] | None = None
 
     def __post_init__(self):
@@ -92,10 +114,15 @@ class Options:
                              "(e.g. 40 * 2**30 for 40 GiB), or None for the default")
         if not isinstance(self.training, bool):
             raise ValueError(f"training={self.training!r}: give True (forward, backward and optimizer step) or False")
-        for name in ("microbatches", "virtual_stages"):
+        for name in ("microbatches", "virtual_stages", "gpus_per_node"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: give a positive int, or None to let the planner choose")
+        check_constraints(self.constraints)
+        gap = self.mip_gap
+        if isinstance(gap, bool) or not isinstance(gap, numbers.Real) or not 0 <= gap < 1:
+            raise ValueError(f"mip_gap={gap!r}: give the relative gap to the optimum a plan may be left at, from 0 "
+                             "(proven optimal) up to below 1 (0.01: within 1 %)")
         if self.tie_layers is not None and not isinstance(self.tie_layers, bool):
             raise ValueError(f"tie_layers={self.tie_layers!r}: give True, False or None (tie repeated layers only "
                              "in big problems)")
@@ -111,8 +138,9 @@ class Options:
         return cls(**keywords)
 
     def device_spec(self) -> DeviceSpec:
-        """The DeviceSpec priced on: `device`'s, DEFAULT_DEVICE's when None."""
-        return device_spec(self.device if self.device is not None else DEFAULT_DEVICE)
+        """The DeviceSpec priced on: `device`'s, DEFAULT_DEVICE's when None, with `gpus_per_node` if given."""
+        spec = device_spec(self.device if self.device is not None else DEFAULT_DEVICE)
+        return spec if self.gpus_per_node is None else dataclasses.replace(spec, devices_per_node=self.gpus_per_node)
 
     def regime(self, mesh: MeshSpec) -> Regime:
         """The checked training regime on `mesh`: an unknown policy, FSDP without a data axis, or a compute
@@ -130,6 +158,8 @@ class Options:
         """The options as text two processes can compare: a DeviceSpec by its name, the solver by its
         qualified name (the text of a function names its address)."""
         solver = self.solver
-        return repr(dataclasses.replace(
-            self, device=self.device.name if isinstance(self.device, DeviceSpec) else self.device,
-            solver=None if solver is None else getattr(solver, "__qualname__", type(solver).__qualname__)))
+        shown = {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                 "device": self.device.name if isinstance(self.device, DeviceSpec) else self.device,
+                 "solver": None if solver is None else getattr(solver, "__qualname__", type(solver).__qualname__),
+                 "constraints": describe_constraints(self.constraints)}
+        return f"Options({', '.join(f'{name}={value!r}' for name, value in shown.items())})"

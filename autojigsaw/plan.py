@@ -15,8 +15,10 @@ from tabulate import tabulate
 
 from .mesh import MeshSpec
 from .modules import layer_of, short_paths
+from .pipeline import STAGE_FIELDS, Pipeline, StagePlan
 from .placements import Placements, format_placements, parse_placements
-from .plan_text import MODULE_WIDTH, kernel_cell, legend, narrow_table, placements_cell, short_op, wrapped
+from .plan_text import (format_bytes, format_seconds, span_name, stages_table, MODULE_WIDTH, kernel_cell, legend,
+                        narrow_table, placements_cell, short_op, wrapped)
 
 SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
 
@@ -72,13 +74,31 @@ class PlanStats:
     strategies: int  # binary variables
     solves: int
     memory_cuts: int
-    gap: float = 0.0  # relative optimality gap, 0 unless the solver's time limit was reached
+    gap: float = 0.0  # how far above the fastest plan it may be, relative to its step time: 0 = proven optimal
+    from_cache: bool = False  # read from the plan cache (AUTOJIGSAW_CACHE), not solved in this process
 
     def __str__(self) -> str:
-        return (f"planned {self.nodes} nodes as {self.groups} groups ({self.strategies} binaries): "
+        source = "read from the plan cache; " if self.from_cache else ""
+        return (f"{source}planned {self.nodes} nodes as {self.groups} groups ({self.strategies} binaries): "
                 f"strategies {self.strategies_s:.2f} s, costs {self.problem_s:.2f} s, solve {self.solve_s:.2f} s "
-                f"({self.solves} MILP(s), {self.memory_cuts} memory row(s)), traffic {self.traffic_s:.2f} s"
-                + (f"; within {self.gap:.1%} of the optimum (time limit)" if self.gap else ""))
+                f"({self.solves} MILP(s), {self.memory_cuts} memory row(s)), traffic {self.traffic_s:.2f} s; "
+                f"{self.proof()}")
+
+    def proof(self) -> str:
+        """What the solve proved: "optimal", or "within 0.4 % of optimal"."""
+        return "optimal" if self.gap <= 0 else f"within {100 * self.gap:.2g} % of optimal"
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    """A mesh the planner weighed for a number of GPUs: its predicted step (seconds; None: not priced) and peak
+    memory per rank (bytes), whether it was planned exactly or estimated, and a note."""
+
+    mesh: MeshSpec
+    step_time: float | None
+    memory: float
+    exact: bool
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,7 +112,9 @@ class Plan:
     (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer, "selective" |
     "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
     planning went; `explainer`: the planner's data behind `explain`; `microbatches` per data replica
-    and step (gradient accumulation, or the pipeline's); `pipeline`: with a pipe axis, the stages
+    and step (gradient accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients
+    once per step, outside the graph (FSDP's, DDP's under accumulation); `alternatives`: given a number
+    of GPUs for the mesh, the other meshes tried (autojigsaw.plan.MeshChoice); `pipeline`: with a pipe axis, the stages
     (autojigsaw.plan.Pipeline), each with its plan on the other axes. print() gives the table.
 
         plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
@@ -118,6 +140,8 @@ class Plan:
     stats: PlanStats | None = field(default=None, compare=False)
     explainer: Callable | None = field(default=None, compare=False, repr=False)
     microbatches: int = 1  # per data replica and step: gradient accumulation, or the pipeline's
+    sums_once: bool = False  # the data axis sums the weights' gradients once per step, out of the graph
+    alternatives: tuple[MeshChoice, ...] = field(default=(), compare=False)  # the meshes a chosen mesh beat
     pipeline: Pipeline | None = None  # the stages over a pipe axis, each with its plan on the other axes
 
     def __getstate__(self) -> dict:
@@ -153,6 +177,8 @@ class Plan:
         one row per graph node), rows for everything else, so that each column sums to TOTAL.
         Its lines fit 120 characters: module, op, placements, kernel, comm/rank and time columns;
         `wide=True`: every column (node, shapes, comm time, compute, memory, note), lines unwrapped."""
+        if self.pipeline is not None:
+            return self._pipeline_table(every_node=every_node, wide=wide)
         shown = [n for n in self.nodes if every_node or n.kind in SHOWN_KINDS or n.fallback]
         groups = _collapsed(shown) if not every_node else [[n] for n in shown]
         hidden = [n for n in self.nodes if n not in set(shown)]
@@ -197,6 +223,22 @@ class Plan:
         footer = self._summary() + "\n" + legend(self.mesh.axis_names, fsdp=self.data_parallel == "fsdp")
         return narrow_table(rows) + "\n" + wrapped(footer)
 
+    def _pipeline_table(self, *, every_node: bool, wide: bool) -> str:
+        """A pipelined plan: its schedule and a row per stage, then each kind of stage's own table (the first,
+        the middle ones alike, the last), each per microbatch, then the step's summary."""
+        pipe = self.pipeline
+        parts = [wrapped(f"pipeline over {pipe.axis}={pipe.ranks}: {pipe.schedule}, {pipe.microbatches} microbatch(es) "
+                         f"per data replica and step, {pipe.virtual_stages} stage(s) per rank; bubble "
+                         f"{pipe.bubble:.1%}" + (f"; FSDP gathers {pipe.fsdp_gathers}" if pipe.fsdp_gathers else "")),
+                 stages_table(pipe.stages)]
+        shown = {}
+        for st in pipe.stages:
+            shown.setdefault((len(st.layers), st.index == 0, st.index == len(pipe.stages) - 1), st)
+        for st in shown.values():
+            parts.append(f"\nstage {st.index} ({span_name(st.layers)}) on {pipe.axis} rank {st.rank}, per microbatch:")
+            parts.append(st.plan.table(every_node=every_node, wide=wide))
+        return "\n".join(parts) + "\n\n" + wrapped(self._summary())
+
     def _summary(self) -> str:
         """The lines under the table: mesh, regime, predicted step, traffic and peak; layout; precision."""
         budget = f" of {format_bytes(self.memory_budget)} budget" if self.memory_budget else ""
@@ -208,10 +250,15 @@ class Plan:
             + (f" at the {self.peak_at}" if self.peak_at else "") + f"; {len(self.fallbacks)} fallback node(s)"
             + f"\nlayout: {self.layout()}\nprecision: {self.precision}; recompute: {self.recompute_summary()}"
             + (f"; data axis: {self.data_parallel}" if self.data_parallel else "")
+            + (f"; plan {self.stats.proof()}" if self.stats is not None else "")
         )
 
     def layout(self) -> str:
         """The chosen layout per mesh axis, in words ("tensor: 12/14 weights split, activations split")."""
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            return (f"{pipe.axis}: {len(pipe.stages)} stages on {pipe.ranks} ranks; "
+                    + pipe.stages[0].plan.layout().replace("replicated:", "stages replicated:"))
         parts, anything = [], False
         weights = [n for n in self.nodes if n.kind == "param" and n.output]
         for a, axis in enumerate(self.mesh.axis_names):
@@ -224,10 +271,13 @@ class Plan:
         return "; ".join(parts)
 
     def summary_line(self) -> str:
-        """One line: mesh, layout, predicted step time, memory and bytes (what parallelize logs)."""
+        """One line: mesh, layout, predicted step time, memory and bytes, and what the solve proved (what
+        parallelize logs): "...; plan optimal" or "...; plan within 0.4 % of optimal"."""
+        proof = "" if self.stats is None else f"; plan {self.stats.proof()}" + (
+            " (from the plan cache)" if self.stats.from_cache else "")
         return (f"autojigsaw: {self.mesh.describe()} on {self.device}: {self.layout()}; predicted step "
                 f"{format_seconds(self.step_time)}, peak {format_bytes(self.memory_per_rank)}/rank, "
-                f"{format_bytes(self.comm_bytes)} sent/rank/step; {len(self.fallbacks)} fallback node(s)")
+                f"{format_bytes(self.comm_bytes)} sent/rank/step; {len(self.fallbacks)} fallback node(s)" + proof)
 
     def recompute_summary(self) -> str:
         """"selective on model.layers.{0..31}" (x32), or "none"."""
@@ -251,16 +301,25 @@ class Plan:
                              "the plan that autojigsaw.plan or parallelize made")
         return str(self.explainer(node))
 
+    def alternatives_table(self) -> str:
+        """The meshes this plan's mesh beat (given a number of GPUs), fastest first: step, memory, how priced."""
+        rows = [(self.mesh.describe(), format_seconds(self.step_time), format_bytes(self.memory_per_rank), "chosen")]
+        rows += [(c.mesh.describe(), "-" if c.step_time is None else format_seconds(c.step_time),
+                  format_bytes(c.memory), c.note) for c in self.alternatives]
+        return tabulate(rows, headers=("mesh", "step", "memory/rank", ""), tablefmt="simple", disable_numparse=True)
+
     def __str__(self) -> str:
+        if self.alternatives:
+            return self.table() + "\n\n" + self.alternatives_table()
         return self.table()
 
     # ------------------------------------------------------------ JSON
 
     def to_json(self) -> str:
-        return json.dumps(self._data(), indent=1)
+        return json.dumps(self.as_data(), indent=1)
 
-    def _data(self) -> dict:
-        """The plan as JSON's plain data (a pipeline's stages each with its own plan)."""
+    def as_data(self) -> dict:
+        """The plan as plain JSON data (placements as text): what to_json writes."""
         def pl(p):
             return None if p is None else format_placements(p)
 
@@ -273,26 +332,29 @@ class Plan:
             "memory_per_rank": self.memory_per_rank, "comm_bytes": self.comm_bytes,
             "step_time": self.step_time, "memory_budget": self.memory_budget, "peak_at": self.peak_at,
             "precision": self.precision, "recompute": [list(r) for r in self.recompute],
-            "data_parallel": self.data_parallel, "microbatches": self.microbatches,
+            "data_parallel": self.data_parallel,
             "nodes": [{**asdict(n), "inputs": [pl(p) for p in n.inputs],
                        "outputs": [pl(p) for p in n.outputs]} for n in self.nodes],
         }
+        if self.microbatches != 1:
+            data["microbatches"] = self.microbatches
+        if self.sums_once:
+            data["sums_once"] = True
         if self.pipeline is not None:
             pipe = self.pipeline
-            data["pipeline"] = {
-                "axis": pipe.axis, "schedule": pipe.schedule, "microbatches": pipe.microbatches,
-                "virtual_stages": pipe.virtual_stages, "bubble": pipe.bubble, "fsdp_gathers": pipe.fsdp_gathers,
-                "stages": [{"index": st.index, "rank": st.rank, "layers": list(st.layers), "plan": st.plan._data(),
-                            "forward_s": st.forward_s, "backward_s": st.backward_s, "weight_s": st.weight_s,
-                            "send_bytes": st.send_bytes, "in_flight": st.in_flight} for st in pipe.stages]}
+            data["pipeline"] = {**{k: getattr(pipe, k) for k in ("axis", "schedule", "microbatches", "virtual_stages",
+                                                                 "bubble", "fsdp_gathers")},
+                                "stages": [{**{k: getattr(st, k) for k in STAGE_FIELDS}, "plan": st.plan.as_data()}
+                                           for st in pipe.stages]}
         return data
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        return cls._from_data(json.loads(text))
+        return cls.from_data(json.loads(text))
 
     @classmethod
-    def _from_data(cls, d: dict) -> Plan:
+    def from_data(cls, d: dict) -> Plan:
+        """The plan `as_data` gave."""
         def pl(s):
             return None if s is None else parse_placements(s)
 
@@ -305,9 +367,9 @@ class Plan:
         )
         pipe = d.get("pipeline")
         pipeline = None if pipe is None else Pipeline(
-            pipe["axis"], pipe["schedule"], pipe["microbatches"], pipe["virtual_stages"],
-            tuple(StagePlan(**{**st, "layers": tuple(st["layers"]), "plan": cls._from_data(st["plan"])})
-                  for st in pipe["stages"]), pipe["bubble"], pipe["fsdp_gathers"])
+            **{k: v for k, v in pipe.items() if k != "stages"},
+            stages=tuple(StagePlan(**{**{k: st[k] for k in STAGE_FIELDS}, "layers": tuple(st["layers"])},
+                                   plan=cls.from_data(st["plan"])) for st in pipe["stages"]))
         return cls(
             mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["sizes"])),
             device=d["device"], training=d["training"], nodes=nodes,
@@ -317,7 +379,8 @@ class Plan:
             memory_per_rank=d["memory_per_rank"], comm_bytes=d["comm_bytes"],
             step_time=d["step_time"], memory_budget=d["memory_budget"], peak_at=d.get("peak_at", ""),
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
-            data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1), pipeline=pipeline,
+            data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1),
+            sums_once=d.get("sums_once", False), pipeline=pipeline,
         )
 
 
@@ -370,66 +433,3 @@ def _group_name(group: list[NodeSharding]) -> str:
 def _costs(group: list[NodeSharding]) -> tuple[str, str]:
     """Bytes sent per rank and seconds (comm + compute) of a row's nodes."""
     return format_bytes(sum(n.comm_bytes for n in group)), format_seconds(sum(n.comm_s + n.compute_s for n in group))
-
-
-def format_bytes(n: float | None) -> str:
-    """Bytes in B, KiB, MiB, GiB or TiB."""
-    if not n:
-        return "0"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def format_seconds(s: float) -> str:
-    """Seconds in us, ms or s."""
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """One pipeline stage: the layers it runs, the pipe rank that runs it, and its plan on the other axes.
-
-    `plan` shards the stage's program over the mesh without the pipe axis and is priced per
-    microbatch; `forward_s`, `backward_s` (both gradients) and `weight_s` (the weight gradient's share,
-    which zero-bubble schedules run apart) are seconds per microbatch; `send_bytes` what it sends the
-    next stage per microbatch (its gradient comes back as large); `in_flight` the most microbatches
-    whose activations it holds at once under the schedule.
-    """
-
-    index: int
-    rank: int
-    layers: tuple[str, ...]
-    plan: Plan
-    forward_s: float
-    backward_s: float
-    weight_s: float = 0.0
-    send_bytes: int = 0
-    in_flight: int = 1
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """How a plan runs over its pipe axis: PyTorch's schedule, microbatches per data replica and step,
-    virtual stages per rank, the stages in order, and the share of the step the busiest rank waits."""
-
-    axis: str
-    schedule: str
-    microbatches: int
-    virtual_stages: int
-    stages: tuple[StagePlan, ...]
-    bubble: float = 0.0
-    fsdp_gathers: str = ""  # "once per step" under FSDP (PyTorch's schedules keep a stage's weights gathered)
-
-    @property
-    def ranks(self) -> int:
-        return len(self.stages) // self.virtual_stages
-
-    def stages_of(self, rank: int) -> tuple[StagePlan, ...]:
-        """The stages pipe rank `rank` runs, in stage order."""
-        return tuple(s for s in self.stages if s.rank == rank)

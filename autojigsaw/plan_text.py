@@ -86,3 +86,37 @@ def wrapped(text: str) -> str:
         lines += [part for piece in pieces for part in textwrap.wrap(
             piece, TABLE_WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)]
     return "\n".join(lines)
+
+
+def span_name(layers: Sequence[str]) -> str:
+    """"model.layers.0 .. model.layers.3" for a stage's layers (the one name for one layer)."""
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1].rsplit('.', 1)[-1]}"
+
+
+def stages_table(stages) -> str:
+    """A row per pipeline stage: its rank, layers, seconds per microbatch, bytes it sends, microbatches it
+    holds, its rank's memory."""
+    rows = [(str(st.index), str(st.rank), cut_middle(span_name(st.layers), 40), format_seconds(st.forward_s),
+             format_seconds(st.backward_s), format_bytes(st.send_bytes), str(st.in_flight), format_bytes(st.plan.memory_per_rank))
+            for st in stages]
+    return tabulate(rows, headers=("stage", "rank", "layers", "forward", "backward", "sends", "in flight", "memory"),
+                    tablefmt="simple", disable_numparse=True, colalign=("right", "right", "left") + ("right",) * 5)
+
+
+def format_bytes(n: float | None) -> str:
+    """Bytes in B, KiB, MiB, GiB or TiB."""
+    if not n:
+        return "0"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def format_seconds(s: float) -> str:
+    """Seconds in us, ms or s."""
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"

@@ -81,6 +81,12 @@ class Regime:
     precision: Precision = Precision()
     recompute: RecomputePolicy = "none"
     data_parallel: DataParallel | None = None  # on the mesh's data axis; None: no data axis
+    # FSDP gathers the weights once per step and keeps them (and their unsharded gradients) to its end, as a
+    # pipeline stage does under PyTorch's schedules; else each layer's for its forward and again its backward
+    fsdp_once: bool = False
+    # gradients accumulate over microbatches: the data axis sums them once per step, after the last (DDP's
+    # all-reduce, FSDP's reduce-scatter), out of the graph
+    accumulates: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_CHOICES:
@@ -105,6 +111,12 @@ class Regime:
     @property
     def fsdp(self) -> bool:
         return self.data_parallel == "fsdp"
+
+    @property
+    def data_sums_once(self) -> bool:
+        """Whether the weights' gradients are summed over the data axis outside the graph, once per step (FSDP
+        always does; DDP does where gradients accumulate over microbatches)."""
+        return self.fsdp or (self.data_parallel == "ddp" and self.accumulates)
 
 
 def _check_data_parallel(value) -> None:

@@ -3,7 +3,7 @@
 Run: python benchmarks/axis_roles.py [--models gpt2,llama] [--meshes 2x2,4x4,8x8]
 
 Labels: the planner may put anything on any axis (only "data"/"dp" is special). Roles are enforced
-by filtering each node's strategies before the solve:
+as constraints on each node's strategies (`constraints=`, a function per node name):
 - weights only on `tensor`: a parameter, and a parameter read by a node, is whole over `domain`;
 - samples only on `domain`: the model's inputs are whole over `tensor`;
 - activations keep their batch dim (dim 0) whole over `tensor` (Megatron's feature and head
@@ -17,7 +17,7 @@ memory, so that something must be sharded; the planner then minimises the step t
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import functools
 import sys
 import time
@@ -32,8 +32,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 import autojigsaw  # noqa: E402
 import autojigsaw.api  # noqa: E402
-from autojigsaw.ir import tensor_inputs  # noqa: E402
-from benchmarks.layouts import strategies_filtered  # noqa: E402
+from autojigsaw.ir import STRATEGIES, tensor_inputs  # noqa: E402
+from autojigsaw.strategies.annotate import annotate  # noqa: E402
 from benchmarks.models import build as build_mlp, sample  # noqa: E402
 from mixer_model import WeatherMixer  # noqa: E402
 from tests.hf_models import hf_model  # noqa: E402
@@ -69,10 +69,18 @@ def _keeps_roles(node, strategy, params: set[str], inputs: set[str]) -> bool:
     return all(out is None or out[TENSOR] != Shard(0) for out in strategy.outputs)
 
 
-def roles_kept(captured, gm):
-    """The strategies that keep the roles, for benchmarks.layouts.strategies_filtered."""
+def roles_kept(captured, mesh) -> tuple[dict, list[str]]:
+    """The roles as constraints (node name -> which of its strategies keep them), and the nodes none of whose
+    strategies does (left free)."""
     params, inputs = set(captured.params), set(captured.inputs)
-    return lambda node, strategy: _keeps_roles(node, strategy, params, inputs)
+    annotate(captured.gm, mesh)
+    constraints, unfiltered = {}, []
+    for node in captured.gm.graph.nodes:
+        if not any(_keeps_roles(node, s, params, inputs) for s in node.meta.get(STRATEGIES, ())):
+            unfiltered += [node.name] if STRATEGIES in node.meta else []
+            continue
+        constraints[node.name] = functools.partial(_keeps_roles, node, params=params, inputs=inputs)
+    return constraints, unfiltered
 
 
 @functools.cache
@@ -90,11 +98,12 @@ def plan_both(name: str, mesh_shape: tuple[int, int]) -> list:
     captured, whole = captured_and_whole(name)
     mesh = autojigsaw.MeshSpec(("domain", "tensor"), mesh_shape)
     options = autojigsaw.Options("h100", memory_budget=whole // 2)
-    results, unfiltered = [], []
+    roles, unfiltered = roles_kept(captured, mesh)
+    results = []
     for enforce in (False, True):
         try:
-            with strategies_filtered(roles_kept, unfiltered) if enforce else contextlib.nullcontext():
-                results.append(autojigsaw.api.plan_captured(captured, mesh, options))
+            results.append(autojigsaw.api.plan_captured(
+                captured, mesh, dataclasses.replace(options, constraints=roles) if enforce else options))
         except ValueError as e:  # no plan fits the budget
             results.append(str(e).splitlines()[0][:60])
     labels, roles = results

@@ -1,74 +1,18 @@
-"""Planning inside a hand-written layout: each node keeps only the strategies the layout allows.
+"""Planning inside a hand-written layout, given to the planner as `constraints=`.
 
-What a published run *ran* is priced by planning with its layout imposed (torchtitan's tensor
-parallelism: every matrix weight stays split over the tensor axis), beside the plan autojigsaw
-would choose; axis_roles.py imposes the roles axis names suggest the same way.
+What a published run *ran* is priced by planning with its layout imposed (torchtitan's and
+Megatron's tensor parallelism: every matrix weight stays split over the tensor axis), beside the
+plan autojigsaw would choose; axis_roles.py imposes the roles axis names suggest the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-
-from torch.distributed.tensor import Shard
-from torch.fx import GraphModule, Node
-
-import autojigsaw.api.planning
-from autojigsaw.ir import STRATEGIES, Strategy, tensor_inputs
-
-Keep = Callable[[Node, Strategy], bool]
+import torch
 
 
-@contextlib.contextmanager
-def strategies_filtered(keep_for: Callable[[object, GraphModule], Keep], unfiltered: list[str] | None = None):
-    """While planning: each node keeps the strategies keep_for(captured, gm) accepts; a node with
-    none accepted keeps all of its own (its name goes to `unfiltered`)."""
-    plan_captured, annotate = autojigsaw.api.planning.plan_captured, autojigsaw.api.planning.annotate
-
-    def planned(captured, *args, **kwargs):
-        def annotated(gm, *a, **k):
-            annotate(gm, *a, **k)
-            keep = keep_for(captured, gm)
-            for node in gm.graph.nodes:
-                kept = [s for s in node.meta.get(STRATEGIES, ()) if keep(node, s)]
-                if kept:
-                    node.meta[STRATEGIES] = kept
-                elif STRATEGIES in node.meta and unfiltered is not None:
-                    unfiltered.append(node.name)
-
-        autojigsaw.api.planning.annotate = annotated
-        try:
-            return plan_captured(captured, *args, **kwargs)
-        finally:
-            autojigsaw.api.planning.annotate = annotate
-
-    autojigsaw.api.planning.plan_captured = planned
-    try:
-        yield
-    finally:
-        autojigsaw.api.planning.plan_captured = plan_captured
-
-
-def tensor_parallel(axis: int) -> Callable[[object, GraphModule], Keep]:
-    """Megatron's and torchtitan's tensor parallelism on mesh axis `axis`: every matrix weight (and
-    its casts and views) is read split over that axis, never gathered there (column- or row-wise,
-    embeddings and the output head by vocabulary); the rest -- sequence-parallel norms, the loss
-    over split logits -- as the planner finds cheapest."""
-    def keep_for(captured, gm: GraphModule) -> Keep:
-        weights: set[Node] = set()
-        for node in gm.graph.nodes:
-            ins = [src for src, _ in tensor_inputs(node)] if node.op == "call_function" else []
-            if (node.op == "placeholder" and node.name in captured.params and node.meta["val"].ndim >= 2) or (
-                    ins and all(src in weights for src in ins)):
-                weights.add(node)
-
-        def keep(node: Node, strategy: Strategy) -> bool:
-            if node in weights and any(out is not None and not isinstance(out[axis], Shard)
-                                       for out in strategy.outputs):
-                return False
-            return all(src not in weights or isinstance(pl[axis], Shard)
-                       for (src, _), pl in zip(tensor_inputs(node), strategy.inputs))
-
-        return keep
-
-    return keep_for
+def tensor_parallel(model: torch.nn.Module) -> dict[str, str]:
+    """Megatron's and torchtitan's tensor parallelism, as constraints on the tensor axis: every matrix weight
+    (and its casts and views) is read split over that axis, never gathered there (column- or row-wise,
+    embeddings and the output head by vocabulary, as the planner finds cheapest); the rest --
+    sequence-parallel norms, the loss over split logits -- as the planner finds cheapest."""
+    return {name: "split" for name, p in model.named_parameters() if p.ndim >= 2}

@@ -5,7 +5,8 @@ Run: python benchmarks/plan_identity.py [--out FILE] [--compare FILE]
 The cases: GPT-2, Llama, BERT and ViT (tests/hf_models.py), the weather mixer
 (examples/mixer_model.py) and the MLP stack (benchmarks/models.py), in float64, each on
 {"tensor": 2}, {"domain": 2} and {"domain": 2, "tensor": 2} under 0.7 of its 1-rank plan's
-memory, as tests/side_by_side.py budgets them. The digest keeps, per node, the placements,
+memory, as tests/side_by_side.py budgets them, each proven optimal (mip_gap=0: a plan within a gap
+depends on where the search stopped). The digest keeps, per node, the placements,
 kernel, predicted comm bytes and memory (and the predicted times to 9 digits); --compare
 prints every difference to a saved digest and exits 1 if there is one.
 """
@@ -63,10 +64,10 @@ def plans() -> dict:
     out = {}
     for name in MODELS:
         model, inputs = build(name)
-        whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+        whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu", mip_gap=0).memory_per_rank
         for mesh in MESHES:
             model, inputs = build(name)
-            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(FRACTION * whole))
+            plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(FRACTION * whole), mip_gap=0)
             key = f"{name} on {mesh}"
             out[key] = digest(plan)
             print(f"{key}: comm {plan.comm_bytes} B, peak {plan.memory_per_rank} B, "

@@ -19,8 +19,6 @@ whole mesh (a 128-GPU FSDP run on 128 ranks). Predicted and published side by si
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -33,7 +31,7 @@ import autojigsaw
 from autojigsaw.cost_model.devices import GiB, device_spec
 
 from .common import Report
-from .layouts import strategies_filtered, tensor_parallel
+from .layouts import tensor_parallel
 from .published_runs import RUNS, PublishedRun, run_named
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -67,37 +65,24 @@ def build(run: PublishedRun) -> torch.nn.Module:
                                                 embd_pdrop=0.0))
 
 
-_PARAMS = inspect.signature(autojigsaw.plan).parameters
 _COMPUTE_DTYPE = {"bf16 mixed": torch.bfloat16, "fp16 mixed": torch.float16}
 
 
-def plan_options(run: PublishedRun) -> tuple[dict, torch.dtype | None, list[str]]:
-    """(keyword options for autojigsaw.plan, dtype to cast the model to or None, fallback notes).
-
-    The one place that says how a run's precision, recomputation and data parallelism are
-    asked for; an option this autojigsaw does not have yet falls back to the closest plan it
-    can express, with a note.
-    """
-    options, notes, cast = {}, [], None
-    dtype = _COMPUTE_DTYPE[run.precision]
-    if "mp_policy" in _PARAMS:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    else:
-        cast = dtype
-        notes.append(f"no mp_policy: model in {str(dtype).removeprefix('torch.')}")
-    if "activation_checkpointing" in _PARAMS:
-        options["activation_checkpointing"] = run.recompute
-    elif run.recompute != "none":
-        notes.append(f"no activation_checkpointing: {run.recompute} recomputation not applied")
-    # The loss comes back whole; the logits stay wherever the planner puts them (a training loop
-    # reads the loss only), as in the published runs, whose models never return them.
-    options["output_placements"] = [tuple(Replicate() for _ in run.mesh), None]
-    if "data_parallel" in _PARAMS:
-        if "data" in run.mesh:
-            options["data_parallel"] = run.data_parallel
-    elif run.data_parallel != "ddp" and "data" in run.mesh:
-        notes.append(f"no data_parallel: {run.data_parallel} priced as a replicated data axis")
-    return options, cast, notes
+def plan_options(run: PublishedRun) -> dict:
+    """The keyword options of autojigsaw.plan that say how a run trains: its precision, recomputation,
+    data parallelism, and what comes back whole."""
+    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=_COMPUTE_DTYPE[run.precision], reduce_dtype=torch.float32),
+               "activation_checkpointing": run.recompute,
+               # The loss comes back whole; the logits stay wherever the planner puts them (a training loop
+               # reads the loss only), as in the published runs, whose models never return them.
+               "output_placements": [tuple(Replicate() for _ in run.mesh), None]}
+    if run.schedule is not None:  # over a pipe axis the last stage returns the loss whole beside its logits
+        del options["output_placements"]
+        options.update(pipeline_schedule=run.schedule, virtual_stages=run.virtual_stages,
+                       microbatches=run.global_batch // run.mesh.get("data", 1) // run.microbatch)
+    if "data" in run.mesh:
+        options["data_parallel"] = run.data_parallel
+    return options
 
 
 @dataclass(frozen=True)
@@ -135,31 +120,26 @@ def plan_run(run: PublishedRun) -> Outcome:
     """Plan one run as published (or its closest expressible plan) and predict its numbers."""
     model = build(run)
     fpt = flops_per_token(model, run)
-    options, cast, notes = plan_options(run)
-    if cast is not None:
-        model = model.to(cast)
+    options, notes = plan_options(run), []
     spec = device_spec(run.device)
     spec = spec.compiled() if run.compiled else spec
     ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")
 
-    def planned(budget):
+    def planned(budget, constraints=None):
         return autojigsaw.plan(model, (ids,), run.mesh, device=spec, example_kwargs={"labels": ids},
-                               memory_budget=budget, **options)
+                               memory_budget=budget, constraints=constraints, **options)
 
     start = time.perf_counter()
     try:
-        unfiltered: list[str] = []
-        with layout_imposed(run, unfiltered):
-            try:
-                plan = planned(run.memory_budget)
-            except ValueError as e:
-                if not notes or "memory" not in str(e).lower():
-                    raise
-                notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned "
-                             "without a memory limit")
-                plan = planned(_NO_BUDGET)
-        if unfiltered:
-            notes.append(f"{len(set(unfiltered))} nodes have no strategy in the layout: left free")
+        layout = layout_constraints(run, model)
+        try:
+            plan = planned(run.memory_budget, layout)
+        except ValueError as e:
+            if not notes or "memory" not in str(e).lower():
+                raise
+            notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned "
+                         "without a memory limit")
+            plan = planned(_NO_BUDGET, layout)
         if run.layout != "planned":
             notes.append(own_layout(run, planned))
     except Exception as e:  # noqa: BLE001 - one run that can't be planned must not hide the others
@@ -180,12 +160,12 @@ def own_layout(run: PublishedRun, planned) -> str:
             f"{own.memory_per_rank / GiB:.1f} GiB")
 
 
-def layout_imposed(run: PublishedRun, unfiltered: list[str]):
-    """Planning inside the run's own layout (its `layout`), or the planner's free choice."""
+def layout_constraints(run: PublishedRun, model: torch.nn.Module) -> dict | None:
+    """The run's own layout (its `layout`) as constraints on the plan; None: the planner's free choice."""
     if run.layout == "planned":
-        return contextlib.nullcontext()
+        return None
     if run.layout == "tensor-parallel":
-        return strategies_filtered(tensor_parallel(list(run.mesh).index("tensor")), unfiltered)
+        return tensor_parallel(model)
     raise ValueError(f"run {run.name!r}: unknown layout {run.layout!r}; known: 'planned', 'tensor-parallel'")
 
 

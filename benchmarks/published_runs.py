@@ -2,10 +2,8 @@
 
 Each run is what its source states, with the source named (repository + path, or paper +
 table). Only runs autojigsaw can express are listed: data, FSDP and tensor parallelism with
-or without recomputation, one step per optimizer step. Not here, because they need a layout
-the planner does not have: pipeline parallelism (torchtitan's 405B rows, Megatron-LM's 39B+
-rows, Llama 3's 405B pretraining, 38-43 % BF16 MFU on 8-16k H100s, arXiv 2407.21783 Table 4)
-and Float8 GEMMs (torchtitan's "+ Float8" rows and its 70B FSDP 32 x TP 8 run).
+or without recomputation, pipeline stages (Megatron-LM's 39B-1T rows). Not here: Float8 GEMMs
+(torchtitan's "+ Float8" rows and its 70B FSDP 32 x TP 8 run).
 """
 
 from __future__ import annotations
@@ -69,6 +67,10 @@ class PublishedRun:
     # "planned": the planner chooses the layout; "tensor-parallel": the run's Megatron-style layout is
     # imposed on the "tensor" axis (its matrix weights split there, never gathered: benchmarks/layouts.py)
     layout: str = "planned"
+    # over a "pipe" axis: PyTorch's schedule name, sequences per microbatch, stages per pipe rank
+    schedule: str | None = None
+    microbatch: int | None = None
+    virtual_stages: int | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -94,6 +96,12 @@ def megatron_gpt(hidden: int, layers: int, heads: int) -> dict:
 
 
 _GPT_7_5B, _GPT_18_4B, _GPT_22B = megatron_gpt(4096, 36, 32), megatron_gpt(6144, 40, 48), megatron_gpt(6144, 48, 64)
+_GPT_39B, _GPT_76B = megatron_gpt(8192, 48, 64), megatron_gpt(10240, 60, 80)
+_GPT_530B, _GPT_1T = megatron_gpt(20480, 105, 128), megatron_gpt(25600, 128, 160)
+# Table 1's pipelined rows (NVIDIA/Megatron-LM examples/academic_paper_scripts/sc21, run_table_1.sh and
+# CONFIG.sh): TP within a DGX A100, PP and DP across them, DDP (no distributed optimizer), fp16, full
+# recomputation, seq 2048, vocab 51200; "interleaved" is Megatron's interleaved 1F1B (PyTorch's
+# Interleaved1F1B lays out the same stages per rank)
 # MPT's feed-forward uses torch's exact GELU (nn.GELU()): one op, one saved input, where GPT-2's
 # "gelu_new" is eight elementwise ops that each save theirs (the 7B without recomputation did not fit).
 _MPT = {size: {**gpt(d, layers, heads, vocab=50368), "activation_function": "gelu"}
@@ -183,6 +191,18 @@ RUNS: tuple[PublishedRun, ...] = (
         source=SELECTIVE + ": 22B, TP 8, 1.42 s per iteration with full recomputation (the baseline of the "
                            "row above)",
         note="one DGX A100; tokens/s = 4 x 2048 / 1.42 s / 8"),
+    *(PublishedRun(
+        f"megatron-{name}-pp{pp}", "gpt2", cfg, gpus=8 * pp * dp, device="a100", mesh={"pipe": pp, "data": dp, "tensor": 8},
+        global_batch=batch, seq=2048, precision="fp16 mixed", recompute="full", data_parallel="ddp",
+        layout="tensor-parallel", compiled=False, tokens_per_s_per_gpu=_tps_from_tflops(tflops, cfg, 2048),
+        schedule=schedule, microbatch=micro, virtual_stages=virtual,
+        source=PTDP + f", row {name}: TP 8, PP {pp}, DP {dp}, {tflops} TFLOP/s per GPU",
+        note=f"micro-batch {micro}, {batch // dp // micro} microbatches per replica; tokens/s from the TFLOP/s")
+      for name, cfg, pp, dp, batch, micro, schedule, virtual, tflops in (
+          ("39.1b", _GPT_39B, 2, 32, 1536, 4, "1F1B", 1, 138),
+          ("76.1b", _GPT_76B, 4, 32, 1792, 2, "interleaved", 3, 140),
+          ("530b", _GPT_530B, 35, 9, 2520, 1, "interleaved", 3, 163),
+          ("1t", _GPT_1T, 64, 6, 3072, 1, "1F1B", 1, 163))),
 )
 
 

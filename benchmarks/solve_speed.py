@@ -1,6 +1,6 @@
 """How fast and how well the planner's MILP solves, tight memory budgets included.
 
-Run: python benchmarks/solve_speed.py [--time-limit S] [--only SUBSTRING]
+Run: python benchmarks/solve_speed.py [--mip-gap G] [--time-limit S] [--only SUBSTRING]
 
 Cases: a 2-layer Mistral (hidden 64) on domain=2 x tensor=2 under 0.8, 0.7 and 0.6 of its
 1-rank plan's memory; the tests' Hugging Face models (tests/hf_models.py) under 0.7 and 0.6 on
@@ -12,8 +12,9 @@ Jigsaw paper's WeatherMixer (benchmarks/families.py) at dim 32144 on domain=2 x 
 edge of its 36 GiB budget (the hardest plans the scaling benchmark makes; a minute or two each).
 Every call into HiGHS is recorded: the table shows the largest program's variables and
 constraints, the number of HiGHS calls and their seconds, the worst status (optimal, gap:
-stopped at the time limit with a plan, time limit: no plan), and the predicted step time (the
-objective).
+stopped at the time limit with a plan, time limit: no plan), the planner's solve stage in seconds
+and what it proved (optimal, or within X % of it: --mip-gap, 0.01 as plan's default, 0 to prove
+optimality), and the predicted step time (the objective).
 """
 
 from __future__ import annotations
@@ -105,36 +106,41 @@ class Recorder:
 
 
 def one_rank_memory(name: str, solver=None) -> float:
-    """Bytes per rank of a small case's plan on one rank: what its budgets are fractions of."""
+    """Bytes per rank of a small case's plan on one rank: what its budgets are fractions of (proven optimal)."""
     model, inputs, kwargs = small(name)
     return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu", example_kwargs=kwargs,
-                           solver=solver).memory_per_rank
+                           solver=solver, mip_gap=0).memory_per_rank
 
 
-def run_small(name: str, mesh: dict[str, int], fraction: float, solver) -> tuple:
+def _solved(plan) -> tuple[str, str]:
+    """The planner's solve stage: seconds, and what it proved."""
+    return f"{plan.stats.solve_s:.1f}", plan.stats.proof()
+
+
+def run_small(name: str, mesh: dict[str, int], fraction: float, solver, mip_gap: float) -> tuple:
     budget = int(fraction * one_rank_memory(name, solver))
     model, inputs, kwargs = small(name)
     with Recorder() as rec:
         try:
             plan = autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=budget, example_kwargs=kwargs,
-                                   solver=solver)
-            objective = f"{plan.step_time * 1e6:.3f} us"
+                                   solver=solver, mip_gap=mip_gap)
+            solved, objective = _solved(plan), f"{plan.step_time * 1e6:.3f} us"
         except ValueError as e:
-            objective = f"infeasible ({str(e).splitlines()[0][:40]}...)"
-    return (f"{name} on {_mesh(mesh)} at {fraction}", *rec.row(), objective)
+            solved, objective = ("", ""), f"infeasible ({str(e).splitlines()[0][:40]}...)"
+    return (f"{name} on {_mesh(mesh)} at {fraction}", *rec.row(), *solved, objective)
 
 
-def run_llama(solver) -> tuple:
+def run_llama(solver, mip_gap: float) -> tuple:
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
     captured = capture(llama(32, hf=False), (ids, ids), {})
     mesh = MeshSpec.of({"domain": 8, "tensor": 8})
     options = Options(device="h100", training=True, memory_budget=None, activation_checkpointing="auto",
-                      solver=solver)
+                      solver=solver, mip_gap=mip_gap)
     with Recorder() as rec:
         plan = plan_captured(captured, mesh, options)
     recomputed = ", ".join(sorted({p for _, p in plan.recompute})) or "none"
-    return ("Llama-3-8B on 8x8, auto", *rec.row(),
-            f"{plan.step_time * 1e3:.3f} ms (recompute: {recomputed}; solve stage {plan.stats.solve_s:.1f} s)")
+    return ("Llama-3-8B on 8x8, auto", *rec.row(), *_solved(plan),
+            f"{plan.step_time * 1e3:.3f} ms (recompute: {recomputed})")
 
 
 # the scaling benchmark's edge plans: (case, family size, mesh)
@@ -142,14 +148,13 @@ MIXERS = [("Jigsaw mixer dim 32144 on 2x2, mixed, auto", 2009, TWO_BY_TWO),
           ("Jigsaw mixer dim 47616 on 2x4, mixed, auto", 2976, {"domain": 2, "tensor": 4})]
 
 
-def run_mixer(name: str, size: int, mesh: dict[str, int], solver) -> tuple:
+def run_mixer(name: str, size: int, mesh: dict[str, int], solver, mip_gap: float) -> tuple:
     model, inputs = WeatherMixerFamily().build(size)
     with Recorder() as rec:
         plan = autojigsaw.plan(model, inputs, mesh, device="a100-40gb", mp_policy=MIXED,
-                               activation_checkpointing="auto", solver=solver)
+                               activation_checkpointing="auto", solver=solver, mip_gap=mip_gap)
     recomputed = ", ".join(sorted({p for _, p in plan.recompute})) or "none"
-    return (name, *rec.row(), f"{plan.step_time * 1e3:.3f} ms (recompute: {recomputed}; "
-                              f"solve stage {plan.stats.solve_s:.0f} s)")
+    return (name, *rec.row(), *_solved(plan), f"{plan.step_time * 1e3:.3f} ms (recompute: {recomputed})")
 
 
 def _mesh(mesh: dict[str, int]) -> str:
@@ -160,23 +165,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per MILP (the planner's: 300)")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    parser.add_argument("--mip-gap", type=float, default=Options.mip_gap,
+                        help="the proven gap a solve stops at (plan's default: 0.01; 0: proven optimal)")
     args = parser.parse_args()
     solver = functools.partial(solve, time_limit=args.time_limit)
     rows = []
     for name, mesh, fraction in CASES:
         if args.only in f"{name} on {_mesh(mesh)} at {fraction}":
-            rows.append(run_small(name, mesh, fraction, solver))
+            rows.append(run_small(name, mesh, fraction, solver, args.mip_gap))
             print(*rows[-1], sep=" | ", flush=True)
     if args.only in "Llama-3-8B on 8x8, auto":
-        rows.append(run_llama(solver))
+        rows.append(run_llama(solver, args.mip_gap))
         print(*rows[-1], sep=" | ", flush=True)
     for name, size, mesh in MIXERS:
         if args.only in name:
-            rows.append(run_mixer(name, size, mesh, solver))
+            rows.append(run_mixer(name, size, mesh, solver, args.mip_gap))
             print(*rows[-1], sep=" | ", flush=True)
-    print(f"\nMILP time limit {args.time_limit:.0f} s per solve")
-    print(tabulate(rows, headers=["case", "variables", "constraints", "HiGHS calls", "HiGHS s", "status", "objective"],
-                   tablefmt="github"))
+    print(f"\nMILP time limit {args.time_limit:.0f} s per solve, mip_gap {args.mip_gap}")
+    print(tabulate(rows, headers=["case", "variables", "constraints", "HiGHS calls", "HiGHS s", "status", "solve s",
+                                  "proven", "objective"], tablefmt="github"))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
 """Shared fixtures: one pool of gloo worker processes per world size, reused by every test."""
 
+import os
+
 import pytest
 
 from autojigsaw.testing.local_ranks import LocalRanks
+
+# Plans are made, not read from a plan cache: a test counts solves and plans again after a change (the rank
+# pools and every subprocess inherit this; tests/test_plan_cache.py names a directory of its own)
+os.environ["AUTOJIGSAW_CACHE"] = "off"
 
 # The files that take most of a minute or more on 2 cores (measured with --durations), longest first:
 # `-n 2 --dist loadfile` (with --no-loadscope-reorder, pyproject.toml) hands each worker the next file

@@ -7,17 +7,14 @@ ranks as JSON; the ranks only capture, rewrite and run.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 import autojigsaw
-from autojigsaw.api import planning as api
 from autojigsaw.capture import capture
 from autojigsaw.cost_model.devices import LinkSpec, device_spec
 from autojigsaw.ir import STRATEGIES
@@ -60,29 +57,11 @@ def outputs_are(*texts: str):
     return lambda s: tuple(format_placements(p) for p in s.outputs if p is not None) == texts
 
 
-@contextlib.contextmanager
-def _pinned(pins: dict):
-    real = api.annotate
-
-    def annotate(gm, *args):
-        real(gm, *args)
-        for node in gm.graph.nodes:
-            if node.name in pins:
-                keep = [s for s in node.meta[STRATEGIES] if pins[node.name](s)]
-                assert keep, f"no strategy of {node.name} fits the pin: " + ", ".join(
-                    " ".join(format_placements(p) for p in s.inputs) for s in node.meta[STRATEGIES])
-                node.meta[STRATEGIES] = keep
-
-    with mock.patch.object(api, "annotate", annotate):
-        yield
-
-
 def pinned_plan(model, inputs, mesh: dict, pins: dict | None = None, **options) -> autojigsaw.Plan:
     """autojigsaw.plan (on the "cpu" device unless `device=`), node `name` restricted to the
-    strategies `pins[name]` accepts."""
+    strategies `pins[name]` accepts (constraints=)."""
     options.setdefault("device", "cpu")
-    with _pinned(pins or {}):
-        return autojigsaw.plan(model, inputs, mesh, **options)
+    return autojigsaw.plan(model, inputs, mesh, constraints=pins or None, **options)
 
 
 def rows_plan(model, inputs, mesh: dict, layout: str = "S(2)") -> autojigsaw.Plan:

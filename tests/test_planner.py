@@ -88,11 +88,28 @@ def test_matches_brute_force_optimum(name, training, memory_rows):
     for budget in budgets:
         _, _, fits = _brute_force(problem, budget)
         best = objective[fits].min()
-        solution = solve(problem, budget)
-        assert solution is not None
+        solution = solve(problem, budget, mip_gap=0)
+        assert solution is not None and solution.gap == 0
         assert solution.objective == pytest.approx(best, rel=1e-9, abs=1e-15), budget
         assert budget is None or solution.peak_memory <= budget
-    assert solve(problem, float(peak.min()) * 0.999) is None  # below every combination: infeasible
+    assert solve(problem, float(peak.min()) * 0.999, mip_gap=0) is None  # below every combination: infeasible
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_a_solve_within_a_gap_says_how_far_from_the_brute_force_optimum_it_may_be(name, memory_rows):
+    """At mip_gap > 0 the plan may stop short of the optimum, never by more than it says, nor by more
+    than the gap asked for."""
+    make, shape = SMALL[name]
+    torch.manual_seed(0)
+    problem = _problem(make(), (torch.randn(shape),), {"tensor": 2})
+    objective, peak, _ = _brute_force(problem, None)
+    for budget in [None, float(np.quantile(peak, 0.3)), float(np.quantile(peak, 0.05))]:
+        best = objective[_brute_force(problem, budget)[2]].min()
+        for mip_gap in (0.01, 0.2):
+            solution = solve(problem, budget, mip_gap=mip_gap)
+            above = (solution.objective - best) / solution.objective
+            assert above <= solution.gap + 1e-9 and solution.gap <= mip_gap + 1e-6, (budget, mip_gap, above, solution.gap)
+            assert budget is None or solution.peak_memory <= budget * (1 + 1e-6)
 
 
 def _knapsack(seed: int, groups: int, choices: int):
@@ -119,8 +136,9 @@ def test_a_search_for_a_plan_faster_than_beat_finds_the_optimum_or_rules_it_out(
     for budget in [None, float(np.quantile(peak, 0.3)), float(np.quantile(peak, 0.05))]:
         _, _, fits = _brute_force(problem, budget)
         best = objective[fits].min()
-        assert solve(problem, budget, beat=best * (1 + 1e-6)).objective == pytest.approx(best, rel=1e-9, abs=1e-15)
-        assert solve(problem, budget, beat=best * (1 - 1e-6)) is None
+        found = solve(problem, budget, beat=best * (1 + 1e-6), mip_gap=0)
+        assert found.objective == pytest.approx(best, rel=1e-9, abs=1e-15)
+        assert solve(problem, budget, beat=best * (1 - 1e-6), mip_gap=0) is None
 
 
 def test_a_cutoff_prunes_the_branching_to_solutions_below_it():
@@ -192,7 +210,7 @@ def test_every_branching_after_a_plan_that_fits_starts_from_it(monkeypatch, memo
         for budget in (float(np.quantile(peak, 0.05)), float(np.quantile(peak, 0.01))):
             starts.clear()
             fitting = objective[_brute_force(problem, budget)[2]]
-            assert solve(problem, budget).objective == pytest.approx(fitting.min(), rel=1e-9)
+            assert solve(problem, budget, mip_gap=0).objective == pytest.approx(fitting.min(), rel=1e-9)
             for begun, found in starts:
                 assert np.isclose(fitting, begun, rtol=1e-9).any() and found <= begun * (1 + 1e-9)
             branched_from_a_start += len(starts)
@@ -253,9 +271,10 @@ def test_tied_layers_are_optimal_unless_a_budget_pays_for_mixed_layers():
     model, x = LinearStack(depth=3), (torch.randn(2, 4, 16),)
     tied_problem, free_problem = (_problem(model, x, {"tensor": 2}, tie_layers=tie) for tie in (True, False))
     for budget in (None, 80_000, 50_000):
-        assert solve(tied_problem, budget).objective == pytest.approx(solve(free_problem, budget).objective)
+        assert solve(tied_problem, budget, mip_gap=0).objective == pytest.approx(
+            solve(free_problem, budget, mip_gap=0).objective)
     # 55 kB: layers laid out differently beat three alike; problems this small are not tied
-    assert solve(free_problem, 55_000).objective < 0.9 * solve(tied_problem, 55_000).objective
+    assert solve(free_problem, 55_000, mip_gap=0).objective < 0.9 * solve(tied_problem, 55_000, mip_gap=0).objective
     assert _problem(model, x, {"tensor": 2}).n_groups == len(free_problem.names)
 
 

@@ -21,8 +21,6 @@ from autojigsaw.training import DATA_PARALLEL_CHOICES, RECOMPUTE_CHOICES
 from .models import build
 
 ROOT = Path(__file__).resolve().parent.parent
-# Strategy pins that swap autojigsaw.api's functions, until planning takes constraints as an option.
-SWAPS_PENDING = {"benchmarks/layouts.py", "tests/jigsaw_common.py"}
 SOURCES = sorted(p for folder in ("tests", "benchmarks") for p in (ROOT / folder).glob("*.py"))
 SWAP = "swaps a function of autojigsaw.api"
 PATCHERS = {"setattr", "object"}  # setattr(m, ...), monkeypatch.setattr(m, ...), mock.patch.object(m, ...)
@@ -44,15 +42,13 @@ def _dotted(node: ast.AST) -> str | None:
 class _Seams(ast.NodeVisitor):
     """Every way one file reaches past autojigsaw's public seams, as 'line: what'."""
 
-    def __init__(self, private_attributes: set[str], swaps_allowed: bool = False):
+    def __init__(self, private_attributes: set[str]):
         self.modules: dict[str, str] = {}  # local name -> the autojigsaw module it is bound to
         self.private_attributes = private_attributes
-        self.swaps_allowed = swaps_allowed
         self.found: list[str] = []
 
     def swap(self, line: int, text: str) -> None:
-        if not self.swaps_allowed:
-            self.found.append(f"{line}: {text} ({SWAP})")
+        self.found.append(f"{line}: {text} ({SWAP})")
 
     def module_of(self, node: ast.AST) -> str | None:
         dotted = _dotted(node)
@@ -126,15 +122,15 @@ def _parallel_module_privates() -> set[str]:
     return {name for name in names if _private(name) and name not in torch_own}
 
 
-def _reaching_in(source: str, swaps_allowed: bool = False) -> list[str]:
-    seams = _Seams(_parallel_module_privates(), swaps_allowed)
+def _reaching_in(source: str) -> list[str]:
+    seams = _Seams(_parallel_module_privates())
     seams.visit(ast.parse(source))
     return seams.found
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_tests_and_benchmarks_use_public_seams_only(path):
-    found = _reaching_in(path.read_text(), swaps_allowed=str(path.relative_to(ROOT)) in SWAPS_PENDING)
+    found = _reaching_in(path.read_text())
     assert not found, f"{path.relative_to(ROOT)} reaches past the public API:\n" + "\n".join(found)
 
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
 import autojigsaw
-from benchmarks.layouts import strategies_filtered, tensor_parallel
+from benchmarks.layouts import tensor_parallel
 from benchmarks.published import build, plan_options, tiny
 from benchmarks.published_runs import run_named
 
@@ -41,11 +41,12 @@ def test_torchtitan_llama3_8b_on_8_h100_is_predicted_within_25_percent():
 
 
 def test_a_tensor_parallel_run_is_priced_in_its_own_layout():
-    """benchmarks/published.py prices a Megatron or torchtitan tensor-parallel run with its layout imposed:
+    """benchmarks/published.py prices a Megatron or torchtitan tensor-parallel run with its layout imposed
+    (constraints=benchmarks.layouts.tensor_parallel(model)):
     every matrix weight is read split over the tensor axis, never gathered there. Left free, the planner
     gathers the weights of this small, long-sequence Llama instead (a layout the runs did not use)."""
     run = tiny(run_named("torchtitan-8b-fsdp8-tp8"))
-    model, (options, _, _) = build(run), plan_options(run)
+    model, options = build(run), plan_options(run)
     ids = torch.zeros(run.global_batch, run.seq, dtype=torch.long, device="meta")
 
     def weight_reads(plan):
@@ -53,10 +54,10 @@ def test_a_tensor_parallel_run_is_priced_in_its_own_layout():
         return [isinstance(n.inputs[0 if n.kind == "embedding" else 1][1], Shard)
                 for n in plan.nodes if n.kind in ("matmul", "embedding") and n.op in ("aten.linear", "aten.embedding")]
 
-    free = autojigsaw.plan(model, (ids,), run.mesh, device="h100+compile", example_kwargs={"labels": ids}, **options)
-    with strategies_filtered(tensor_parallel(list(run.mesh).index("tensor"))):
-        imposed = autojigsaw.plan(model, (ids,), run.mesh, device="h100+compile", example_kwargs={"labels": ids},
-                                  **options)
+    free = autojigsaw.plan(model, (ids,), run.mesh, device="h100+compile", example_kwargs={"labels": ids}, mip_gap=0,
+                           **options)
+    imposed = autojigsaw.plan(model, (ids,), run.mesh, device="h100+compile", example_kwargs={"labels": ids},
+                              constraints=tensor_parallel(model), mip_gap=0, **options)
     # 7 projections in each of 2 layers, the embedding and the head
     assert len(weight_reads(imposed)) == 2 * 7 + 2 and all(weight_reads(imposed)), imposed.table()
     assert not all(weight_reads(free)), free.table()

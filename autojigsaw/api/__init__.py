@@ -6,7 +6,7 @@ plan) and hands the result to a ParallelModule, which only holds and runs it.
 """
 
 from .building import parallelize
-from .planning import evaluate, plan
+from .planning import best_mesh, evaluate, plan
 from .recipe import capture_for, plan_captured, with_traffic
 
-__all__ = ["capture_for", "evaluate", "parallelize", "plan", "plan_captured", "with_traffic"]
+__all__ = ["best_mesh", "capture_for", "evaluate", "parallelize", "plan", "plan_captured", "with_traffic"]

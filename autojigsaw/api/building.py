@@ -32,9 +32,10 @@ from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
 from ..training import pipe_axis, data_axes
 
+from .cached import planned_or_cached
 from .planning import _check_model, _positional
 from .pipelines import accumulated, build_pipeline, microbatch_of
-from .recipe import _symbolic, capture_for, plan_captured
+from .recipe import _symbolic, capture_for
 
 log = logging.getLogger("autojigsaw")
 
@@ -154,8 +155,8 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
         raise failed
     if plan is None:
         pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
-        plan = planned_on_rank0(lambda: accumulated(plan_captured(captured, mesh, options, pins), captured,
-                                                    options.microbatches or 1))
+        plan = planned_on_rank0(lambda: accumulated(planned_or_cached(captured, mesh, options, pins, regime),
+                                                    captured, options.microbatches or 1))
     check_same_values(values_to_agree(model, captured, args, kwargs, weights=pinned is None,
                                       whole_inputs=options.input_placements is None))
     rank = RankView.of(device_mesh, mesh)

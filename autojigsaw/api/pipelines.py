@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture import Captured, refuse_backward_hooks
+from ..capture import Captured, at_sizes, refuse_backward_hooks
 from ..capture.stages import cut, layer_stack
 from ..cost_model.schedule import SCHEDULES, SINGLE, schedule_name
 from ..dtypes import value_carries_grad
@@ -25,7 +25,8 @@ from ..mesh import MeshSpec, RankView
 from ..options import Options
 from ..placements import local_shape
 from ..plan import Pipeline, Plan
-from ..planner.pipeline import PipelineChoice, plan_pipeline, stage_work
+from ..planner.layer_costs import stage_work
+from ..planner.pipeline import NO_BUDGET, PipelineChoice, plan_pipeline
 from ..rewrite.recompute import split_layers
 from ..rewrite.rewrite import rewrite
 from ..runtime.checks import check_agreement, check_group, program_facts
@@ -40,13 +41,26 @@ from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_param
 from ..runtime.program import Program
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
-from ..training import stage_mesh
-from .recipe import capture_for, plan_captured
+from ..training import data_axes, pipe_axis, stage_mesh
+from .recipe import _symbolic, capture_for, plan_captured
 
 
 def microbatch_of(args: tuple, kwargs: dict, microbatches: int) -> tuple[tuple, dict]:
     """The first of `microbatches` equal slices of every tensor input along dim 0 (what a program is planned at)."""
     return split_microbatches(args, kwargs, microbatches)[0]
+
+
+def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec, options: Options) -> Plan:
+    """The plan of `model` on `mesh`: pipelined over a pipe axis, else one microbatch priced as many."""
+    if pipe_axis(mesh) is not None:
+        return plan_pipelined(model, args, kwargs, mesh, options)
+    regime = options.regime(mesh)
+    microbatches = options.microbatches or 1
+    if microbatches > 1:  # gradient accumulation: one microbatch planned, priced that many times
+        args, kwargs = microbatch_of(args, kwargs, microbatches)
+    symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
+    captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
+    return accumulated(plan_captured(captured, mesh, options), captured, microbatches)
 
 
 def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec, options: Options) -> Plan:
@@ -62,16 +76,20 @@ def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh
                             options.microbatches, options.virtual_stages)
     stage_options = replace(options, pipeline_schedule=None, microbatches=None, virtual_stages=None)
 
-    @functools.lru_cache(maxsize=None)
-    def capture_at(m: int) -> Captured:
-        return capture_for(model, *microbatch_of(args, kwargs, m), regime)
-
     def plan_stage(captured, stage_mesh_, ins, outs, stage_budget, in_flight, pinned):
         opts = replace(stage_options, input_placements=ins, output_placements=outs, memory_budget=stage_budget)
-        return plan_captured(captured, stage_mesh_, opts, pinned, in_flight=in_flight)
+        return plan_captured(captured, stage_mesh_, opts, pinned, in_flight=in_flight, stage=True)
 
-    return plan_pipeline(capture_at, plan_stage, mesh, choice, budget=budget, batch=batch_size(args, kwargs),
+    @functools.lru_cache(maxsize=None)
+    def whole_at(m: int) -> tuple[Captured, Plan]:
+        """The model captured at one microbatch of m (as parallelize will), planned whole on the stage mesh
+        with no budget."""
+        captured = capture_for(model, *microbatch_of(args, kwargs, m), regime)
+        return captured, plan_stage(captured, sub, None, None, NO_BUDGET, 1, {})
+
+    return plan_pipeline(whole_at, plan_stage, mesh, choice, budget=budget, batch=batch_size(args, kwargs),
                          device=device)
+
 
 
 def accumulated(plan: Plan, captured: Captured, microbatches: int) -> Plan:
@@ -132,9 +150,12 @@ def build_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_
     cls = SCHEDULES[pipeline.schedule]
     schedule = cls(stages[0] if pipeline.schedule in SINGLE else stages, n_microbatches=pipeline.microbatches,
                    loss_fn=loss_reader(captured.out_spec, pipeline.microbatches), scale_grads=False)
+    data = data_axes(sub)
+    data_group = (stage_dm.get_group(sub.axis_names[data[0]])
+                  if mine[0].plan.sums_once and mine[0].plan.data_parallel == "ddp" else None)
     run = PipelineRun(pipeline, schedule, tuple(st.index for st in mine), device_mesh.get_group(pipeline.axis), model,
                       tied, tuple(p for _, p in built), loss_dtype(captured), tensor_shapes(args, kwargs),
-                      tuple(stages))
+                      tuple(stages), data_group)
     return plan, run
 
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
+import numbers
+
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ..capture import at_sizes
 from ..cost_model.devices import DeviceSpec, device_spec
 from ..cost_model.estimate import CostContext
 from ..cost_model.recompute import repeated_layers
-from ..cost_model.regime import with_fsdp_traffic, with_regime
+from ..cost_model.regime import with_data_traffic, with_regime
 from ..cost_model.memory import Optimizer, OptimizerName, optimizer_spec
 from ..mesh import MeshSpec
 from ..options import Options
@@ -21,10 +22,11 @@ from ..plan import Plan
 from ..planner.assemble import assemble, fixed_solution
 from ..planner.recompute import with_layers_recomputed
 from ..strategies.annotate import annotate
-from ..training import Precision, Regime, pipe_axis
+from ..training import Precision, Regime
 
-from .pipelines import accumulated, microbatch_of, plan_pipelined
-from .recipe import capture_for, plan_captured, with_traffic, _symbolic, _problem
+from .meshes import plan_on_gpus
+from .pipelines import plan_model
+from .recipe import capture_for, with_traffic, _problem
 
 log = logging.getLogger("autojigsaw")
 
@@ -66,17 +68,21 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, example_kwar
     """
     _check_model(model)
     options = Options.from_keywords(options, "plan")
-    mesh = MeshSpec.of(mesh)
     args, kwargs = _positional(example_inputs), dict(example_kwargs or {})
-    if pipe_axis(mesh) is not None:
-        return plan_pipelined(model, args, kwargs, mesh, options)
-    regime = options.regime(mesh)
-    microbatches = options.microbatches or 1
-    if microbatches > 1:  # gradient accumulation: one microbatch planned, priced that many times
-        args, kwargs = microbatch_of(args, kwargs, microbatches)
-    symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
-    captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
-    return accumulated(plan_captured(captured, mesh, options), captured, microbatches)
+    if isinstance(mesh, numbers.Integral) and not isinstance(mesh, bool):
+        return plan_on_gpus(model, args, kwargs, int(mesh), options)
+    return plan_model(model, args, kwargs, MeshSpec.of(mesh), options)
+
+
+def best_mesh(model: torch.nn.Module, example_inputs: Sequence, world_size: int, *,
+              example_kwargs: Mapping | None = None, **options) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The mesh `plan(model, inputs, world_size, ...)` chooses, as init_device_mesh takes it: (sizes, names).
+
+        sizes, names = autojigsaw.best_mesh(model, (x,), 512, device="a100", gpus_per_node=8)
+        mesh = init_device_mesh("cuda", sizes, mesh_dim_names=names)
+    """
+    chosen = plan(model, example_inputs, world_size, example_kwargs=example_kwargs, **options).mesh
+    return chosen.sizes, chosen.axis_names
 
 
 def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,
@@ -104,4 +110,4 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
     evaluated = with_regime(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
                             ctx, plan.recompute)
-    return with_fsdp_traffic(with_traffic(evaluated, captured), captured, ctx, problem.grad)
+    return with_data_traffic(with_traffic(evaluated, captured), captured, ctx, problem.grad)

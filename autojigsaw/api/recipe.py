@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate
 from ..capture import Captured, capture
 from ..cost_model.estimate import CostContext
 from ..cost_model.in_flight import with_in_flight
-from ..cost_model.regime import with_fsdp_traffic, with_regime
+from ..cost_model.regime import with_data_traffic, with_regime
 from ..cost_model.memory import optimizer_spec
 from ..ir import grads_by_name
 from ..mesh import MeshSpec, RankView
@@ -30,6 +30,7 @@ from ..planner.recompute import solve_with_recompute
 from ..rewrite.rewrite import rewrite
 from ..rewrite.traffic import traffic_by_origin
 from ..strategies.annotate import annotate
+from ..strategies.constraints import constrain
 from ..strategies.data_pins import data_pins
 from ..training import Regime
 
@@ -61,21 +62,24 @@ def _symbolic(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime)
 
 
 def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options(),
-                  pinned: dict[str, Placements] | None = None, *, in_flight: int = 1) -> Plan:
+                  pinned: dict[str, Placements] | None = None, *, in_flight: int = 1, stage: bool = False) -> Plan:
     """The planning stages on an already captured graph: strategies, costs, solve, Plan.
 
     `options`: an autojigsaw.Options (its `dynamic` is the capture's, not read here);
     `pinned`: placeholder name -> placements every strategy must keep (parameters already sharded).
-    `in_flight`: microbatches whose saved activations are held at once (a pipeline stage's).
+    `in_flight`: microbatches whose saved activations are held at once; `stage`: the graph is a pipeline
+    stage's (FSDP gathers its weights once per step and keeps them, training.Regime.fsdp_once).
 
         plan = plan_captured(capture(model, (x,)), MeshSpec.of({"tensor": 2}), Options(device="cpu"))
     """
     device, regime = options.device_spec(), options.regime(mesh)
+    regime = replace(regime, fsdp_once=stage and regime.fsdp, accumulates=stage or (options.microbatches or 1) > 1)
     budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
     t0 = time.perf_counter()
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}
     annotate(captured.gm, mesh, data_pins(captured, mesh, fixed),
              _output_placements(captured, mesh, options.output_placements, options.training))
+    constrain(captured, mesh, options.constraints, options.constraints_axis)
     t1 = time.perf_counter()
     ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime)
     problem = _problem(captured, ctx, options.tie_layers)
@@ -85,13 +89,13 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     held = _in_flight(problem, captured, in_flight)
     solver = options.solver or solve
     chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
-                                  budget, lambda p, b, **kw: solver(held(p), b, **kw))
+                                  budget, lambda p, b, **kw: solver(held(p), b, mip_gap=options.mip_gap, **kw))
     problem, solution = held(chosen.problem), chosen.solution
     if solution is None:
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
     t3 = time.perf_counter()
     planned = with_regime(assemble(captured, problem, solution, ctx, budget), ctx, chosen.layers)
-    planned = with_fsdp_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
+    planned = with_data_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
                                             len(solution.cuts), solution.gap))

@@ -24,6 +24,11 @@ from ..modules import layer_of, module_path
 from .graph import Captured
 
 
+NO_LAYERS = ("a pipe axis cuts the model between its repeated layers (a stack of numbered modules such as "
+             "model.layers.0, .1, ...), and this model has none: drop the pipe axis, or give the model its layers "
+             "as an nn.ModuleList")
+
+
 def layer_stack(captured: Captured) -> list[str]:
     """The model's longest stack of numbered modules, in order: ["model.layers.0", ..., "model.layers.31"]."""
     by_prefix: dict[str, set[int]] = defaultdict(set)
@@ -53,9 +58,7 @@ def cut(captured: Captured, starts: list[int]) -> list[StageProgram]:
     """`captured` as one program per stage; `starts[k]`: the index in `layer_stack` of stage k's first layer."""
     layers = layer_stack(captured)
     if not layers:
-        raise ValueError("a pipe axis cuts the model between its repeated layers (a stack of numbered modules such as "
-                         "model.layers.0, .1, ...), and this model has none: drop the pipe axis, or give the model "
-                         "its layers as an nn.ModuleList")
+        raise ValueError(NO_LAYERS)
     if starts[0] != 0 or list(starts) != sorted(set(starts)) or starts[-1] >= len(layers):
         raise ValueError(f"stage starts {starts} must begin at 0 and rise within the {len(layers)} layers")
     if captured.mutated_buffers:

@@ -58,13 +58,23 @@ class CostContext:
         axis, itemsize = self.fsdp_axis, value.dtype.itemsize
         return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
                               fsdp_ranks=self.mesh.sizes[axis] if axis is not None and fsdp_shards(value) else 1,
-                              reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize))
+                              reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize),
+                              kept_gathered=self.regime.fsdp_once)
 
-    def fsdp_comm(self, nbytes, value, trained: bool = True):
-        """(seconds, bytes sent) of FSDP's traffic for a parameter (its graph value) of `nbytes` local compute
-        bytes: gathered for forward and again for backward, its gradient reduce-scattered if it is `trained`."""
-        axis, itemsize = self.fsdp_axis, value.dtype.itemsize
-        if axis is None or not self.training or not fsdp_shards(value):
+    @property
+    def summed_axis(self) -> int | None:
+        """The data axis over which the weights' gradients are summed outside the graph, once per step (FSDP's;
+        DDP's under gradient accumulation); None: in the graph, or no data axis."""
+        axes = data_axes(self.mesh) if self.regime.data_sums_once else ()
+        return axes[0] if axes and self.mesh.sizes[axes[0]] > 1 else None
+
+    def data_comm(self, nbytes, value, trained: bool = True):
+        """(seconds, bytes sent) of the data axis' own traffic for a parameter (its graph value) of `nbytes` local
+        compute bytes, per step: FSDP gathers it for forward and again for backward (once under
+        `regime.fsdp_once`) and reduce-scatters its gradient; DDP under gradient accumulation all-reduces
+        its gradient once; nothing else here (the graph sums gradients itself)."""
+        axis, itemsize = self.summed_axis, value.dtype.itemsize
+        if axis is None or not self.training:
             return 0.0, 0
         n, link = self.mesh.sizes[axis], self.link(axis)
         grad_bytes = nbytes * self.regime.precision.reduce_itemsize(itemsize) / itemsize if trained else 0.0
@@ -72,8 +82,13 @@ class CostContext:
         def one(kind, b):
             return collective_time(kind, b, n, link.latency_s, link.bandwidth, tree=self.device.tree_all_reduce)
 
-        time = 2 * one("all_gather", nbytes / n) + (one("reduce_scatter", grad_bytes) if trained else 0.0)
-        sent = 2 * nbytes * (n - 1) / n + grad_bytes * (n - 1) / n
+        if not self.regime.fsdp:
+            return one("all_reduce", grad_bytes), bytes_sent("all_reduce", grad_bytes, n)
+        if not fsdp_shards(value):
+            return 0.0, 0
+        gathers = 1 if self.regime.fsdp_once else 2  # forward and again backward, or once for the step
+        time = gathers * one("all_gather", nbytes / n) + (one("reduce_scatter", grad_bytes) if trained else 0.0)
+        sent = gathers * nbytes * (n - 1) / n + grad_bytes * (n - 1) / n
         return time, sent
 
     def link(self, axis: int):
@@ -121,7 +136,7 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         masters = nbytes * ctx.param_memory(val).state  # what the optimizer step reads
         step = (memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer") if grad
                 else np.zeros_like(nbytes))
-        return NodeCosts(step + ctx.fsdp_comm(nbytes, val, trained=grad)[0])
+        return NodeCosts(step + ctx.data_comm(nbytes, val, trained=grad)[0])
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)
     time = _default_times(node, tuple(strategies), ctx, grad, operand_grads)

@@ -30,7 +30,8 @@ class ParamMemory:
     (every scale 1). Mixed precision adds fp32 masters (the optimizer's) beside the low-precision
     copy, and fp32 gradients and states. FSDP over `d` ranks keeps masters, gradients and
     states sharded (1/d), gathers the compute copy only while its unit runs, and reduce-scatters the
-    gradient from a flat copy in the reduce dtype.
+    gradient from a flat copy in the reduce dtype; `kept_gathered` (a pipeline stage's), the compute
+    copy and the unsharded gradient all step.
     """
 
     resident: float = 1.0  # bytes kept all step (the weight; or masters + compute copy)
@@ -40,8 +41,12 @@ class ParamMemory:
     scatter: float = 0.0  # FSDP: the gradient's copy in the flat reduce-scatter input
 
     @classmethod
-    def of(cls, itemsize: int, *, mixed: bool, fsdp_ranks: int, reduce_itemsize: int | None = None) -> ParamMemory:
+    def of(cls, itemsize: int, *, mixed: bool, fsdp_ranks: int, reduce_itemsize: int | None = None,
+           kept_gathered: bool = False) -> ParamMemory:
         master = 4 / itemsize if mixed else 1.0  # fp32 masters per compute byte
+        if fsdp_ranks > 1 and kept_gathered:  # the compute copy and the unsharded gradient held all step
+            shard = master / fsdp_ranks
+            return cls(shard + 1.0, shard + (reduce_itemsize or itemsize) / itemsize, shard, False, 0.0)
         if fsdp_ranks > 1:
             shard = master / fsdp_ranks
             return cls(shard, shard, shard, True, (reduce_itemsize or itemsize) / itemsize)

@@ -15,25 +15,36 @@ from .recompute import repeated_layers
 def with_regime(plan: Plan, ctx: CostContext, recomputed) -> Plan:
     """The plan labelled with the regime it is made for (the rewrite reads its data-parallel mode)."""
     return replace(plan, precision=ctx.regime.precision.describe(), recompute=tuple(recomputed),
-                   data_parallel=ctx.regime.data_parallel)
+                   data_parallel=ctx.regime.data_parallel, sums_once=ctx.summed_axis is not None)
 
 
-def with_fsdp_traffic(plan: Plan, captured: Captured, ctx: CostContext, grad: dict[str, bool]) -> Plan:
-    """The plan with FSDP's traffic on the data axis: its bytes, and its time less what compute hides
-    (a layer's gathers are prefetched during the layer before; the first is not), the compute that
-    hides it slowed by the device's overlap_slowdown (the two share the GPU). FSDP alone sums
-    the weights' gradients over that axis: the rewritten graph leaves them to it, and it has none to
-    sum for a weight that gets none (`grad`, the planned problem's: frozen, or behind a detach)."""
+def with_data_traffic(plan: Plan, captured: Captured, ctx: CostContext, grad: dict[str, bool]) -> Plan:
+    """The plan with the data axis' own traffic (CostContext.data_comm): its bytes, and its time less what
+    compute hides (FSDP: a layer's gathers are prefetched during the layer before, the first is not;
+    once per step, the reduce-scatters after the last backward are exposed; DDP's one all-reduce after
+    the last microbatch is exposed), the compute that hides it slowed by the device's overlap_slowdown
+    (the two share the GPU). That traffic alone sums the weights' gradients over that axis: the
+    rewritten graph leaves them to it, and it has none to sum for a weight that gets none (`grad`, the
+    planned problem's: frozen, or behind a detach)."""
     values = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.name in captured.params}
-    fsdp_s, fsdp_bytes = 0.0, 0
+    fsdp_s, fsdp_bytes, gather_s = 0.0, 0, 0.0
     for name in captured.params:
         local = local_shape(tuple(values[name].shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
-        s, b = ctx.fsdp_comm(math.prod(local) * values[name].dtype.itemsize, values[name], trained=grad[name])
+        nbytes = math.prod(local) * values[name].dtype.itemsize
+        s, b = ctx.data_comm(nbytes, values[name], trained=grad[name])
         fsdp_s, fsdp_bytes = fsdp_s + float(s), fsdp_bytes + int(b)
+        gather_s += float(ctx.data_comm(nbytes, values[name], trained=False)[0])
     if not fsdp_s:
         return plan
     compute = sum(n.compute_s for n in plan.nodes if n.kind != "param")
     layers = max(len(repeated_layers(list(captured.gm.graph.nodes), captured.params)), 1)
-    exposed = max(fsdp_s - compute, fsdp_s / layers)
+    # once per step (a pipeline stage): the gathers run as the first microbatch arrives, the first layer's
+    # exposed; the reduce-scatters all run after the last backward, exposed
+    if not ctx.regime.fsdp:  # DDP's all-reduce after the last microbatch's backward
+        exposed = fsdp_s
+    elif ctx.regime.fsdp_once:
+        exposed = max(fsdp_s - compute, gather_s / layers + (fsdp_s - gather_s))
+    else:
+        exposed = max(fsdp_s - compute, fsdp_s / layers)
     step = plan.step_time - fsdp_s + exposed + ctx.device.overlap_slowdown * (fsdp_s - exposed)
     return replace(plan, step_time=step, comm_bytes=plan.comm_bytes + fsdp_bytes)

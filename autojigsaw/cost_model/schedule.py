@@ -84,15 +84,11 @@ def rank_orders(schedule: str, ranks: int, virtual: int, microbatches: int) -> t
     """Per pipe rank, its compute actions in order: (kind "F" | "B" | "I" | "W", stage, microbatch)."""
     if schedule in SINGLE:
         return tuple(_single_order(schedule, r, ranks, microbatches) for r in range(ranks))
-    cls = SCHEDULES[schedule]
     stages = stage_ranks(schedule, ranks, virtual)
-    orders = []
-    for r in range(ranks):
-        mine = [_OrderOnly(s, len(stages), ranks, r) for s, owner in enumerate(stages) if owner == r]
-        order = cls(mine, n_microbatches=microbatches, loss_fn=_no_loss).pipeline_order
-        orders.append(tuple((a.computation_type.value, a.stage_index, a.microbatch_index) for a in order[r]
-                            if a is not None and a.computation_type.value in ("F", "B", "I", "W")))
-    return tuple(orders)
+    mine = [_OrderOnly(s, len(stages), ranks, 0) for s, owner in enumerate(stages) if owner == 0]
+    order = SCHEDULES[schedule](mine, n_microbatches=microbatches, loss_fn=_no_loss).pipeline_order  # every rank's
+    return tuple(tuple((a.computation_type.value, a.stage_index, a.microbatch_index) for a in order[r]
+                       if a is not None and a.computation_type.value in ("F", "B", "I", "W")) for r in range(ranks))
 
 
 def _single_order(schedule: str, rank: int, ranks: int, microbatches: int) -> tuple[tuple, ...]:
@@ -141,6 +137,13 @@ def simulate(schedule: str, ranks: int, virtual: int, microbatches: int, times: 
     return Simulated(max(free), tuple(busy), tuple(peaks), tuple(in_flight))
 
 
+@functools.lru_cache(maxsize=256)
+def in_flight(schedule: str, ranks: int, virtual: int, microbatches: int) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose activations it holds at once under `schedule` (its order alone)."""
+    orders = rank_orders(schedule, ranks, virtual, microbatches)
+    return tuple(_held(orders, stage_ranks(schedule, ranks, virtual), [0.0] * ranks * virtual)[1])
+
+
 def _seconds(kind: str, t: StageTimes) -> float:
     return {"F": t.forward, "B": t.backward, "I": t.backward - t.weight, "W": t.weight}[kind]
 
@@ -169,7 +172,8 @@ def _held(orders, owner: list[int], saved: list[float]) -> tuple[list[float], li
     peaks, most = [], [0] * len(owner)
     for order in orders:
         live, held, peak = {}, 0.0, 0.0
-        freed_by = {s: ("W" if any(k == "W" and st == s for k, st, _ in order) else "B") for _, s, _ in order}
+        split = {st for k, st, _ in order if k == "W"}  # stages whose weight gradients run apart free at W
+        freed_by = {st: "W" if st in split else "B" for _, st, _ in order}
         for kind, stage, _ in order:
             if kind == "F":
                 live[stage] = live.get(stage, 0) + 1

@@ -10,8 +10,12 @@ from ..plan import format_bytes
 from .problem import Problem
 
 
+class PlanDoesNotFit(ValueError):
+    """No plan fits the memory budget (a ValueError, as every error of the user's inputs)."""
+
+
 def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budget: int,
-                     recompute: str = "none") -> ValueError:
+                     recompute: str = "none") -> PlanDoesNotFit:
     """No strategy choice fits the budget: say how far off, and which tensors weigh most."""
     mem = problem.memory
     own = mem.own_bytes([len(s) for s in problem.strategies])
@@ -20,7 +24,7 @@ def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budge
     heaviest = sorted(((float(o.min()), problem.names[n]) for n, o in enumerate(own)), reverse=True)[:5]
     names = {**captured.params, **captured.buffers}
     listing = ", ".join(f"{names.get(n, n)} ({format_bytes(b)})" for b, n in heaviest if b > 0)
-    return ValueError(
+    return PlanDoesNotFit(
         f"no plan fits the memory budget of {format_bytes(budget)} per rank on mesh {mesh.describe()}: "
         f"the layout that gives every node its smallest shards needs {format_bytes(peak)} per rank (peak at "
         f"the {mem.describe(point)}). "

@@ -27,6 +27,7 @@ class Result:
     gap: float  # the relative gap left at the time limit; 0 when solved
     duals: np.ndarray | None = None  # row duals, for an LP: reduced costs are cost - matrix.T @ duals
     stopped: bool = False  # `stop` accepted x before the search ended: x is not proven optimal
+    bound: float = -np.inf  # no solution of this program is below it (a MIP's dual bound, an LP's objective)
 
 
 _banner_shown = False
@@ -77,15 +78,18 @@ def solve_lp(cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Resu
 
 def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, *,
               start: np.ndarray | None = None, stop: Callable[[np.ndarray, float], bool] | None = None,
-              cutoff: float = np.inf, polish: bool = False) -> Result:
+              cutoff: float = np.inf, polish: bool = False, mip_gap: float = 0.0,
+              progress: Callable[[float, float], None] | None = None) -> Result:
     """The MILP over the same rows with `integer` columns integral, from a feasible solution:
     `start` gives the values of the first len(start) columns, and HiGHS completes the others; its
     primal heuristics run only if the start is to be `polish`ed (else the branching finds what they would).
     `stop(x, objective)`, asked of every improving solution, ends the search at the first it accepts
     (returned `stopped`: not proven optimal). `cutoff`: only a solution below it is wanted; HiGHS
-    prunes every node whose bound reaches it, and x is None when none is below."""
+    prunes every node whose bound reaches it, and x is None when none is below. `mip_gap`: the search
+    ends at a solution within this relative gap of the dual bound. `progress(primal, dual)` is told the
+    bounds as the search runs."""
     # HiGHS presolve restarts cost more than they save here; the planner's column windows do the useful part
-    options = {"presolve": "off", "mip_rel_gap": 1e-7}
+    options = {"presolve": "off", "mip_rel_gap": max(mip_gap, _OPTIMAL_GAP)}
     if start is not None and len(start) and stop is None and not polish:
         options.update(_PROVING)
     if np.isfinite(cutoff):
@@ -93,16 +97,23 @@ def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: floa
     h = _highs(cost, matrix, lo, hi, upper, integer, time_limit, options)
     if start is not None and len(start):
         h.setSolution(len(start), np.arange(len(start), dtype=np.int32), np.asarray(start, dtype=float))
-    accepted: list[np.ndarray] = []
+    accepted: list[tuple[np.ndarray, float]] = []
     if stop is not None:
         _stop_at(h, len(cost), stop, accepted)
+    if progress is not None:
+        h.cbMipInterrupt.subscribe(lambda event: progress(event.data_out.mip_primal_bound,
+                                                          event.data_out.mip_dual_bound))
     h.run()
     if accepted:
-        return Result(accepted[0], float(cost @ accepted[0]), False, 0.0, stopped=True)
+        x, bound = accepted[0]
+        return Result(x, float(cost @ x), False, 0.0, stopped=True, bound=bound)
     found = _result(h, dual=False)
     if found.objective >= cutoff:  # HiGHS keeps a solution its heuristics found above the cutoff
         return Result(None, float("inf"), found.timed_out, 0.0)
     return found
+
+
+_OPTIMAL_GAP = 1e-7  # HiGHS' relative gap when asked for the optimum
 
 
 # A proof from a plan in hand: HiGHS' primal heuristics (RINS, RENS, feasibility jump, root reduced cost
@@ -116,12 +127,12 @@ _PROVING = {"mip_heuristic_effort": 0.0, "mip_heuristic_run_rins": False, "mip_h
 
 
 def _stop_at(h: highspy.Highs, n: int, stop: Callable[[np.ndarray, float], bool], accepted: list) -> None:
-    """Interrupt `h` after the first improving solution `stop` accepts, kept in `accepted`
-    (HiGHS takes an interrupt only from its interrupt callback, not from the solution one)."""
+    """Interrupt `h` after the first improving solution `stop` accepts, kept in `accepted` with the dual
+    bound of that moment (HiGHS takes an interrupt only from its interrupt callback, not from the solution one)."""
     def improving(event):
         x = np.array(event.data_out.mip_solution[:n])
         if not accepted and stop(x, float(event.data_out.objective_function_value)):
-            accepted.append(x)
+            accepted.append((x, float(event.data_out.mip_dual_bound)))
 
     def interrupt(event):
         if accepted:
@@ -148,5 +159,7 @@ def _result(h: highspy.Highs, dual: bool) -> Result:
         return Result(None, float("inf"), timed_out, 0.0)
     solution = h.getSolution()
     gap = float(info.mip_gap) if timed_out and np.isfinite(info.mip_gap) else 0.0
-    return Result(np.array(solution.col_value), float(info.objective_function_value), timed_out, gap,
-                  np.array(solution.row_dual) if dual else None)
+    objective = float(info.objective_function_value)
+    bound = objective if dual else float(info.mip_dual_bound)
+    return Result(np.array(solution.col_value), objective, timed_out, gap,
+                  np.array(solution.row_dual) if dual else None, bound=bound if np.isfinite(bound) else -np.inf)

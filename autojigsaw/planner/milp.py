@@ -27,9 +27,11 @@ from scipy.sparse import coo_matrix
 
 from ..cost_model.liveness import MaxItem, PairItem
 from . import highs
+from .progress import SolveProgress
 from .problem import Problem
 
 OBJECTIVE_SCALE = 1e6  # objective in microseconds: HiGHS' tolerances suit numbers near 1
+DEFAULT_MIP_GAP = 0.01  # a plan proven within 1 % of the optimum: the cost model's own error is several percent
 _FIRST_WINDOW = 3e-3  # reduced costs kept in the first branching, relative to the LP bound
 CUTS_PER_ROUND = 8  # memory rows added per plan that does not fit
 ROWS_UP_FRONT = 128  # at most this many points that can be a peak: each gets its row before the first solve
@@ -48,7 +50,7 @@ class Solution:
     cuts: tuple[int, ...]  # program points whose memory row was added
     solves: int
     seconds: float
-    gap: float = 0.0  # relative optimality gap: 0 unless the time limit stopped the search
+    gap: float = 0.0  # how far above the optimum it may be, relative to its objective: 0 = proven optimal
 
 
 class SolverTimeout(ValueError):
@@ -58,9 +60,11 @@ class SolverTimeout(ValueError):
 class Milp:
     """Sparse rows, bounds and integrality of one growing MILP; `optimize` finds its optimum."""
 
-    def __init__(self, n_x: int, cutoff: float = np.inf):
+    def __init__(self, n_x: int, cutoff: float = np.inf, mip_gap: float = 0.0, progress: SolveProgress | None = None):
         self.n = n_x
         self.cutoff = cutoff  # only a plan below this objective is wanted: none found above it is returned
+        self.mip_gap = mip_gap  # a plan proven within this relative gap of the optimum is good enough
+        self.progress = progress
         self.cost: list[np.ndarray] = [np.zeros(n_x)]
         self.upper: list[np.ndarray] = [np.ones(n_x)]
         self.zero_one: list[np.ndarray] = [np.ones(n_x, dtype=bool)]  # 0 or 1 in every integral solution
@@ -70,8 +74,9 @@ class Milp:
         self.vals: list[np.ndarray] = []
         self.lo: list[float] = []
         self.hi: list[float] = []
-        self.gap = 0.0
-        self.proven = False  # the last solve's plan is optimal (the LP relaxation was integral, or branching proved it)
+        self.gap = 0.0  # how far the last solve's plan may be above the optimum, relative to its objective
+        self.proven = False  # the last solve's plan is within mip_gap of the optimum (LP integral, or proven)
+        self.timed_out = False  # a branching was stopped by the time limit
         # what a solve found, for the next one on the same rows (the proof after a quick plan that fits):
         # the program only grows, so (variables, rows) names it
         self._relaxed: tuple | None = None
@@ -104,27 +109,32 @@ class Milp:
     def optimize(self, n_int: int, time_limit: float, prove: bool = True,
                  fits: Callable[[np.ndarray], bool] = lambda x: True, start: np.ndarray | None = None
                  ) -> np.ndarray | None:
-        """The optimum, from the LP relaxation when that is integral (it usually is), else by branching;
-        with `prove` False, the first improving plan that fits near the bound, else the narrowest window's
-        best plan (not proven optimal);
+        """The optimum (within `mip_gap` of it), from the LP relaxation when that is integral (it usually
+        is), else by branching; with `prove` False, the first improving plan that fits near the bound, else
+        the narrowest window's best plan (not proven optimal);
         a window's plan that does not `fit` is returned at once, for the rows it lacks. `start`: a plan
         that fits, an earlier solution (of this program before its last rows: variables are only
-        appended), which every branching starts from and keeps in its window."""
+        appended), which every branching starts from and keeps in its window. After it, `proven` says
+        whether the plan is within `mip_gap` of the optimum, and `gap` how far it may be from it."""
         deadline = time.perf_counter() + time_limit
-        self.proven = False
+        self.proven, self.gap = False, 0.0
         program = self.arrays()
         relaxed = self._relaxation(program, time_limit)
         slack = 1e-7 * abs(relaxed.objective) + 1e-6  # HiGHS' tolerances, in the objective's units
         if not relaxed.timed_out:
             if relaxed.x is None or relaxed.objective >= self.cutoff - slack:
                 return None  # infeasible even fractionally, or no plan can beat the cutoff
+            self._report(None, relaxed.objective)
             if _integral(relaxed.x[:n_int]):
                 self.proven = True
                 return relaxed.x
         if relaxed.timed_out:  # the deadline came in the LP: branch on the whole program for what time is left
             best = self._branch(*program, np.ones(self.n, dtype=bool), deadline, start)
-            self.proven = best is not None and not self.gap
-            return None if best is None else best[0]
+            if best is None:
+                return None
+            self.gap = _gap(best.objective, best.bound)
+            self.proven = not self.timed_out
+            return best.x
         return self._in_windows(program, relaxed, slack, deadline, prove, fits, start)
 
     def _relaxation(self, program: tuple, time_limit: float):
@@ -137,50 +147,60 @@ class Milp:
     def _in_windows(self, program: tuple, relaxed, slack: float, deadline: float, prove: bool,
                     fits: Callable[[np.ndarray], bool], start: np.ndarray | None) -> np.ndarray | None:
         """`optimize` past a fractional LP: branch on the columns whose reduced cost lies within a window
-        above the LP bound, the window widening until the best plan found lies within it."""
+        above the LP bound, the window widening until the best plan found lies within it (or within
+        `mip_gap` of the lowest cost a plan outside it can have)."""
         cost, matrix, lo, hi, upper = program
         inside = np.zeros(self.n, dtype=bool)  # the start's strategies and pair terms
         if start is not None:
             inside[:len(start)] = start > 1e-9
         bound, reduced = relaxed.objective, cost - matrix.T @ relaxed.duals
         fixable = np.concatenate(self.zero_one)
+        near = 1 - self.mip_gap  # a plan need only be proven below objective x near
         # a column whose reduced cost reaches past the cutoff is in no plan below it: no window need be wider
         window = min(_FIRST_WINDOW * abs(bound), self.cutoff - bound)
         reach = 16 * window  # a plan this near the bound: its proof branches once, on the columns within reach
         if start is not None and prove:  # a proof from a plan near the bound needs no narrower window first
-            distance = cost[:len(start)] @ start - bound
+            distance = near * (cost[:len(start)] @ start) - bound
             window = distance if distance <= reach else window
         zero_rows = matrix.tocsr()[(lo == 0) & (hi == 0)]
         while True:
             keep = _propagated(zero_rows, ~fixable | (reduced <= window + slack)) | inside
             # a quick round ends at the first plan that fits, beats the start and lies near enough the bound
-            # for the proof to branch once: the proof follows from it
-            bar = min(np.inf if start is None else cost[:len(start)] @ start - slack, bound + reach, self.cutoff)
+            # for the proof to branch once (or needs none, within mip_gap of it): the proof follows from it
+            near_bound = max(bound + reach, bound / near) if near > 0 else np.inf
+            bar = min(np.inf if start is None else cost[:len(start)] @ start - slack, near_bound, self.cutoff)
             stop = None if prove else (lambda x, objective: objective < bar and fits(x))
-            best = self._branch(cost, matrix, lo, hi, upper, keep, deadline, start, stop)
-            if best is not None and not fits(best[0]):
-                return best[0]
+            best = self._branch(cost, matrix, lo, hi, upper, keep, deadline, start, stop, ceiling=bound + window)
+            if best is not None and not fits(best.x):
+                return best.x
             if best is None and (keep.all() or window >= self.cutoff - bound):
                 return None
-            self.proven = best is not None and not best[2] and best[1] - bound <= window + slack
+            if best is not None:
+                # a plan with a column outside the window costs more than bound + window
+                lower = max(bound, min(best.bound, bound + window))
+                exact = not best.stopped and best.objective - bound <= window + slack
+                self.proven = exact or near * best.objective <= lower + slack
+                self.gap = _gap(best.objective, lower)
+                self._report(best.objective, lower)
             if best is not None and not self.proven:  # a plan that fits: the wider windows start from it
-                start, inside = best[0], inside | (best[0] > 1e-9)
-            if best is not None and (not prove or self.proven or self.gap):
-                if self.gap:  # stopped by the time limit: how far off it may be from the bound of the whole program
-                    self.gap = max(self.gap, (best[1] - bound) / abs(best[1]))
-                return best[0]
+                start, inside = best.x, inside | (best.x > 1e-9)
+            if best is not None and (not prove or self.proven or self.timed_out):
+                return best.x
             # no plan among the kept columns, or one too far above the bound to rule the others out:
             # widen step by step, as the best plan usually needs only a few more columns; with a cutoff and
             # no plan yet, straight to the cutoff's window (narrower ones would each prove "none" again)
             if best is None and np.isfinite(self.cutoff):
                 window = self.cutoff - bound
             else:
-                window = min(4 * window + slack if best is None or best[1] - bound > 16 * window else best[1] - bound,
+                needed = None if best is None else near * best.objective - bound
+                window = min(4 * window + slack if needed is None or needed > 16 * window else needed,
                              self.cutoff - bound)
 
-    def _branch(self, cost, matrix, lo, hi, upper, keep, deadline, start, stop=None):
-        """(x, objective, stopped) of the MILP on the columns `keep`, the others fixed at 0; None if none
-        fits. `stop(x, objective)` may end the search at an improving plan (stopped: not proven optimal)."""
+    def _branch(self, cost, matrix, lo, hi, upper, keep, deadline, start, stop=None, ceiling: float = np.inf
+                ) -> _Branched | None:
+        """The MILP on the columns `keep`, the others fixed at 0; None if none fits. `stop(x, objective)`
+        may end the search at an improving plan (stopped: not proven optimal). `ceiling`: the lowest cost of a
+        plan with a column not kept (what the progress line's bound cannot pass)."""
         key = np.packbits(keep).tobytes()
         if key in self._branched:
             return self._branched[key]
@@ -195,7 +215,9 @@ class Milp:
         exact = highs.solve_mip(cost[cols], matrix[:, cols], lo, hi, upper[cols], np.concatenate(self.integer)[cols],
                                 time_limit, start=None if start is None else start[cols[cols < len(start)]],
                                 stop=None if stop is None else (lambda x, objective: stop(whole(x), objective)),
-                                cutoff=self.cutoff, polish=start is not None and start is self._accepted_early)
+                                cutoff=self.cutoff, polish=start is not None and start is self._accepted_early,
+                                mip_gap=self.mip_gap, progress=None if self.progress is None else
+                                (lambda primal, dual: self._report(primal, min(dual, ceiling))))
         if exact.x is None:
             if exact.timed_out:
                 raise SolverTimeout(f"the planner found no plan within its time limit of {time_limit:.0f} s; "
@@ -204,13 +226,37 @@ class Milp:
             self._branched[key] = None
             return None
         if exact.timed_out:  # the time limit: keep the best plan found, and say how far off it may be
-            self.gap = max(self.gap, exact.gap)
-        found = (whole(exact.x), exact.objective, exact.stopped)
+            self.timed_out = True
+        found = _Branched(whole(exact.x), exact.objective, exact.stopped, exact.bound)
         if exact.stopped:
-            self._accepted_early = found[0]
+            self._accepted_early = found.x
         if not exact.timed_out and not exact.stopped:
             self._branched[key] = found
         return found
+
+    def _report(self, incumbent: float | None, bound: float | None) -> None:
+        """Tell the progress line (objective units) about an incumbent or a bound."""
+        if self.progress is not None:
+            self.progress.update(None if incumbent is None or not np.isfinite(incumbent)
+                                 else incumbent / OBJECTIVE_SCALE,
+                                 None if bound is None or not np.isfinite(bound) else bound / OBJECTIVE_SCALE)
+
+
+@dataclass(frozen=True)
+class _Branched:
+    """What one branching found: the plan's columns, its objective, whether `stop` ended the search early,
+    and the branching's dual bound (no plan among its columns is below it)."""
+
+    x: np.ndarray
+    objective: float
+    stopped: bool
+    bound: float
+
+
+def _gap(objective: float, lower: float) -> float:
+    """The relative gap between a plan and a lower bound on the optimum; 0 below HiGHS' own tolerance."""
+    gap = max(objective - lower, 0.0) / max(abs(objective), 1e-12)
+    return 0.0 if gap <= 1e-6 else gap
 
 
 def _integral(x: np.ndarray) -> bool:
@@ -239,14 +285,15 @@ class MilpBuilder:
         cost, matrix, row_lo, row_hi, col_upper = builder.milp.arrays()
     """
 
-    def __init__(self, problem: Problem, budget: float | None, beat: float | None = None):
+    def __init__(self, problem: Problem, budget: float | None, beat: float | None = None, mip_gap: float = 0.0,
+                 progress: SolveProgress | None = None):
         self.p = problem
         self.budget = budget
         reps = np.unique(problem.group, return_index=True)[1]
         self.rep = reps  # the first node of every group
         self.sizes = np.array([len(problem.strategies[r]) for r in reps])
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
-        self.milp = Milp(int(self.offsets[-1]), np.inf if beat is None else beat * OBJECTIVE_SCALE)
+        self.milp = Milp(int(self.offsets[-1]), np.inf if beat is None else beat * OBJECTIVE_SCALE, mip_gap, progress)
         self.z: dict[int, int] = {}
         self.w: dict[tuple, tuple[int, np.ndarray]] = {}
         self._assignment()
@@ -405,16 +452,30 @@ class MilpBuilder:
 
 
 def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
-          known_cuts: tuple[int, ...] = (), beat: float | None = None) -> Solution | None:
+          known_cuts: tuple[int, ...] = (), beat: float | None = None, mip_gap: float = DEFAULT_MIP_GAP,
+          progress: SolveProgress | None = None) -> Solution | None:
     """The strategy per node minimizing predicted step time with peak memory <= budget; None if none fits.
 
     `known_cuts`: program points whose memory rows a similar problem needed (a recomputation
     variant of this one), added up front: each is exact, and each found again costs a solve.
     `beat`: seconds a plan must be faster than (another variant's plan), else None; the search
     prunes at it, so a variant that cannot win is ruled out without being solved.
+    `mip_gap`: the search ends at a plan proven within this relative gap of the optimum (0: proven
+    optimal); Solution.gap says how far it may be. `progress`: what shows a long solve's bounds
+    (None: a SolveProgress on stderr).
     """
     start = time.perf_counter()
-    builder = MilpBuilder(problem, budget, beat)
+    progress = progress if progress is not None else SolveProgress()
+    try:
+        return _solve(problem, budget, time_limit, known_cuts, MilpBuilder(problem, budget, beat, mip_gap, progress),
+                      start)
+    finally:
+        progress.close()
+
+
+def _solve(problem: Problem, budget: float | None, time_limit: float, known_cuts: tuple[int, ...],
+           builder: MilpBuilder, start: float) -> Solution | None:
+    """solve's rounds: quick plans until one fits (memory rows added for those that do not), then its proof."""
     candidates = problem.memory.peak_candidates()
     every_row = budget is not None and len(candidates) <= ROWS_UP_FRONT  # then every plan fits: prove at once
     cuts: list[int] = []
@@ -441,7 +502,8 @@ def solve(problem: Problem, budget: float | None, *, time_limit: float = 300.0,
             prove = True
             continue
         if fits:
-            _warn_if_cut_short(builder.milp.gap, time_limit)
+            if builder.milp.timed_out:
+                _warn_cut_short(builder.milp.gap, time_limit)
             return Solution(choice, problem.objective(choice), peak, point, tuple(cuts), solves,
                             time.perf_counter() - start, builder.milp.gap)
         assert point not in cuts, f"the memory row of point {point} is not exact"
@@ -456,11 +518,10 @@ def _add_memory_rows(builder: MilpBuilder, points, cuts: list[int]) -> None:
         cuts.append(point)
 
 
-def _warn_if_cut_short(gap: float, time_limit: float) -> None:
+def _warn_cut_short(gap: float, time_limit: float) -> None:
     """A warning, at solve's caller, that the time limit stopped the search `gap` short of the optimum."""
-    if gap:
-        warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
-                      f"{gap:.1%} of the optimum (a tight memory_budget makes the search hard)", stacklevel=3)
+    warnings.warn(f"planner: time limit of {time_limit:.0f} s reached; the plan is within "
+                  f"{gap:.1%} of the optimum (a tight memory_budget makes the search hard)", stacklevel=4)
 
 
 def _fits(peak, budget: float | None):

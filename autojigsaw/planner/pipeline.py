@@ -2,11 +2,10 @@
 
 Over a pipe axis of p ranks the program is cut into p x v stages (v virtual stages per rank) at
 repeated-layer boundaries (capture/stages.py), each stage sharded over the other axes as any
-program is. The choices are searched in two passes. First, for each number of microbatches m,
-the model captured at its microbatch is planned whole on the other axes: that plan's nodes give
-each layer's forward, backward and weight-gradient seconds, the activations it saves and the
-weights it holds, and the placement of every value crossing a layer boundary. Every schedule
-and v is then estimated from those numbers: stages cut where the slowest stage is fastest
+program is. The choices are searched in two passes. First, the model captured at its finest microbatch is
+planned whole on the other axes: that plan gives each layer's costs (planner/layer_costs.py,
+scaled to the other microbatch sizes) and the placement of every value crossing a layer boundary.
+Every schedule, v and m is then estimated from those numbers: stages cut where the slowest stage is fastest
 (embeddings with the first, head and loss with the last; a stage whose weights and in-flight
 activations miss the budget is not cut), PyTorch's own order of work replayed
 (cost_model/schedule.py). Second, the fastest estimates are planned exactly: each distinct
@@ -25,15 +24,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..capture import Captured
-from ..capture.stages import StageProgram, cut, layer_stack
+from ..capture.stages import NO_LAYERS, StageProgram, cut
+from .layer_costs import LayerCosts, balanced_starts, layer_costs, sent_bytes, stage_work
 from ..cost_model.comm import collective_time
-from ..cost_model.compute import backward_factor
 from ..cost_model.devices import DeviceSpec
-from ..cost_model.schedule import SINGLE, V_SHAPED, StageTimes, rank_orders, simulate, stage_ranks
+from ..cost_model.schedule import SINGLE, V_SHAPED, StageTimes, in_flight, rank_orders, simulate, stage_ranks
 from ..mesh import MeshSpec
-from ..modules import layer_of, module_path
-from ..placements import local_shape
-from ..plan import Pipeline, Plan, StagePlan
+from ..modules import module_path
+from ..pipeline import Pipeline, StagePlan
+from ..plan import Plan
+from ..plan_text import span_name
 from ..training import data_axes, pipe_axis, stage_mesh
 
 NO_BUDGET = 2**62
@@ -56,51 +56,55 @@ PlanStage = Callable[[Captured, MeshSpec, list | None, list | None, int, int, di
 
 
 @dataclass(frozen=True)
-class LayerCosts:
-    """Per microbatch: each repeated layer's seconds and bytes, and what runs before and after them."""
+class Candidate:
+    """A schedule estimated from layer costs: the estimate, microbatches, schedule and virtual stages."""
 
-    layers: tuple[str, ...]
-    forward: np.ndarray  # [before, layer 0, ..., layer L-1, after]: seconds
-    backward: np.ndarray
-    weight: np.ndarray
-    saved: np.ndarray  # bytes each holds from its forward to its backward
-    held: np.ndarray  # bytes of weights, gradients and optimizer state
-    send: float  # bytes crossing a layer boundary
-
-    def stage(self, first: int, stop: int, count_before: bool, count_after: bool) -> tuple[float, ...]:
-        """(forward, backward, weight, saved, held) of layers [first, stop) with the extras as asked."""
-        idx = [0] * count_before + list(range(first + 1, stop + 1)) + [len(self.layers) + 1] * count_after
-        return tuple(float(a[idx].sum()) for a in (self.forward, self.backward, self.weight, self.saved, self.held))
+    estimate: Estimate
+    microbatches: int
+    schedule: str
+    virtual: int
 
 
-def plan_pipeline(capture_at: Callable[[int], Captured], plan_stage: PlanStage, mesh: MeshSpec, choice: PipelineChoice,
-                  *, budget: int, batch: int, device: DeviceSpec, user_inputs: list | None = None) -> Plan:
-    """The fastest pipelined plan of the model on `mesh` (which has a pipe axis) that fits `budget` per rank.
-
-    `capture_at(m)`: the model captured at one microbatch of `m`; `batch`: the example's batch (dim 0),
-    split over the data axis and then into microbatches; `user_inputs`: placements the user pinned.
-    """
+def estimated(costs_at: Callable[[int], LayerCosts], mesh: MeshSpec, choice: PipelineChoice, *, budget: int,
+              batch: int, device: DeviceSpec) -> list[Candidate]:
+    """Every schedule, virtual stages and microbatches `choice` allows on `mesh`, estimated from `costs_at(m)`
+    (the layers' costs at one microbatch of m): those that fit first, fastest first."""
     axis = pipe_axis(mesh)
-    ranks, sub = mesh.sizes[axis], stage_mesh(mesh)
-    replicas = _data_replicas(mesh)
-    estimates = []
-    for m in microbatch_choices(choice, batch, replicas, ranks):
-        captured = capture_at(m)
-        whole = _whole_plan(plan_stage, captured, sub, user_inputs)
-        costs = layer_costs(whole, captured)
+    ranks = mesh.sizes[axis]
+    link = device.axis_link(mesh.sizes, axis, mesh.axis_names[axis])
+    out = []
+    for m in microbatch_choices(choice, batch, _data_replicas(mesh), ranks):
+        costs = costs_at(m)
+        if not costs.layers:
+            raise ValueError(NO_LAYERS)
         for schedule, virtual in schedule_choices(choice, ranks, len(costs.layers), m):
-            link = device.axis_link(mesh.sizes, axis, mesh.axis_names[axis])
             est = estimate(costs, schedule, ranks, virtual, m, budget, link)
             if est is not None:
-                estimates.append((est, m, schedule, virtual, captured, whole))
-    if not estimates:
+                out.append(Candidate(est, m, schedule, virtual))
+    return sorted(out, key=lambda c: (not c.estimate.fits, c.estimate.step_time))
+
+
+def plan_pipeline(whole_at: Callable[[int], tuple[Captured, Plan]], plan_stage: PlanStage, mesh: MeshSpec,
+                  choice: PipelineChoice, *, budget: int, batch: int, device: DeviceSpec,
+                  user_inputs: list | None = None) -> Plan:
+    """The fastest pipelined plan of the model on `mesh` (which has a pipe axis) that fits `budget` per rank.
+
+    `whole_at(m)`: the model captured at one microbatch of `m` and planned whole on the stage mesh (the
+    finest microbatch's costs estimate the others); `batch`: the example's batch (dim 0), split over the
+    data axis and then into microbatches.
+    """
+    finest = max(microbatch_choices(choice, batch, _data_replicas(mesh), mesh.sizes[pipe_axis(mesh)]))
+    measured = layer_costs(*reversed(whole_at(finest)))  # one capture: the others scaled from it
+    candidates = estimated(lambda m: measured.scaled(finest / m), mesh, choice, budget=budget, batch=batch,
+                           device=device)
+    if not candidates:
         raise ValueError(_nothing_fits(mesh, choice, budget))
-    estimates.sort(key=lambda e: (not e[0].fits, e[0].step_time))
     errors = []
-    for est, m, schedule, virtual, captured, whole in estimates[:EXACT_CANDIDATES]:
+    for c in candidates[:EXACT_CANDIDATES]:
+        captured, whole = whole_at(c.microbatches)
         try:
-            return exact_pipeline(captured, whole, plan_stage, mesh, schedule, virtual, m, est.starts, budget,
-                                  device, user_inputs)
+            return exact_pipeline(captured, whole, plan_stage, mesh, c.schedule, c.virtual, c.microbatches,
+                                  c.estimate.starts, budget, device, user_inputs)
         except ValueError as e:  # a stage that does not fit: the next candidate may
             errors.append(e)
     raise errors[0]
@@ -170,68 +174,6 @@ def _virtual_choices(schedule: str, imposed: int | None, ranks: int, layers: int
     return [v for v in (2, 3, 4) if ranks * v <= layers]
 
 
-def _whole_plan(plan_stage: PlanStage, captured: Captured, sub: MeshSpec, user_inputs) -> Plan:
-    """The whole model planned on the stage mesh, as fast as it runs with no memory budget (a quick
-    solve: the budget is the stages' own): its layers' costs and the placements of the values between
-    layers."""
-    return plan_stage(captured, sub, user_inputs, None, NO_BUDGET, 1, {})
-
-
-def layer_costs(plan: Plan, captured: Captured) -> LayerCosts:
-    """Per-microbatch seconds and bytes of each repeated layer, and of what runs before and after them."""
-    layers = layer_stack(captured)
-    slot_of = {name: k + 1 for k, name in enumerate(layers)}
-    graph = {n.name: n for n in captured.gm.graph.nodes}
-    order = {name: i for i, name in enumerate(graph)}
-    first = min((order[n.name] for n in plan.nodes if _layer(n.module) in slot_of), default=0)
-    sums = np.zeros((5, len(layers) + 2))
-    recomputed = dict(plan.recompute)
-    for ns in plan.nodes:
-        node = graph.get(ns.name)
-        slot = slot_of.get(_layer(ns.module))
-        if slot is None:
-            readers = [order[u.name] for u in node.users] if node is not None else []
-            slot = 0 if min(readers + [order.get(ns.name, 0)]) < first else len(layers) + 1
-        if ns.kind == "param":
-            sums[4, slot] += ns.memory_bytes
-            continue
-        f, b, w = node_work(ns, node, recomputed.get(_layer(ns.module)), plan.training, captured.params)
-        sums[:4, slot] += (f, b, w, ns.memory_bytes)
-    return LayerCosts(tuple(layers), *sums, send=_boundary_bytes(plan, captured, len(layers)))
-
-
-def _layer(module: str) -> str | None:
-    found = layer_of(module)
-    return f"{found[0]}.{found[1]}" if found else None
-
-
-def node_work(ns, node, recompute: str | None, training: bool, params) -> tuple[float, float, float]:
-    """(forward, backward, weight gradient) seconds of one planned node per microbatch: its time split by the
-    op's backward factor (a recomputed node's time holds its forward twice), resharding half each way."""
-    if not training:
-        return ns.compute_s + ns.comm_s, 0.0, 0.0
-    factor = backward_factor(node.target) if node is not None and node.op == "call_function" else 0.0
-    again = recompute == "full" or (recompute is not None and ns.kind not in ("matmul", "attention"))
-    forward = ns.compute_s / (1.0 + factor + again)
-    weight = forward if ns.kind == "matmul" and any(a.name in params for a in node.all_input_nodes) else 0.0
-    return forward + ns.comm_s / 2, ns.compute_s - forward + ns.comm_s / 2, weight
-
-
-def _boundary_bytes(plan: Plan, captured: Captured, layers: int) -> float:
-    """Bytes one rank sends across a layer boundary per microbatch, as placed in `plan` (read off a cut)."""
-    if layers < 2:
-        return 0.0
-    return float(sent_bytes(plan, captured, cut(captured, [0, layers // 2])[0].sends))
-
-
-def sent_bytes(plan: Plan, captured: Captured, names: Sequence[str]) -> int:
-    """Bytes of this rank's shards of the values `names` (placed as `plan` makes them)."""
-    vals = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes}
-    coord = (0,) * plan.mesh.ndim
-    return sum(math.prod(local_shape(tuple(vals[name].shape), plan.node(name).outputs[0], plan.mesh.sizes, coord))
-               * vals[name].dtype.itemsize for name in names)
-
-
 @dataclass(frozen=True)
 class Estimate:
     """A candidate's step time and per-rank memory from layer costs, and where it cuts."""
@@ -250,15 +192,15 @@ def estimate(costs: LayerCosts, schedule: str, ranks: int, virtual: int, microba
     if stages > len(costs.layers):
         return None
     owner = stage_ranks(schedule, ranks, virtual)
-    in_flight = simulate(schedule, ranks, virtual, microbatches, [StageTimes(1.0, 2.0, 1.0)] * stages).in_flight
-    starts = balanced_starts(costs, in_flight, budget // virtual) or balanced_starts(costs, in_flight, None)
+    held = in_flight(schedule, ranks, virtual, microbatches)
+    starts = balanced_starts(costs, held, budget // virtual) or balanced_starts(costs, held, None)
     send = _hop_seconds(costs.send, link)
     parts = [costs.stage(a, b, s == 0, s == stages - 1) for s, (a, b) in enumerate(_spans(starts, len(costs.layers)))]
-    times = [StageTimes(f, b, w, send) for f, b, w, _, _ in parts]
-    saved = [p[3] for p in parts]
-    sim = simulate(schedule, ranks, virtual, microbatches, times, saved)
+    times = [StageTimes(f, b, w, send) for f, b, w, *_ in parts]
+    sim = simulate(schedule, ranks, virtual, microbatches, times, [p[3] for p in parts])
     memory = [sum(parts[s][4] for s in range(stages) if owner[s] == r) + sim.activation_peak[r] for r in range(ranks)]
-    return Estimate(sim.step_time, max(memory), max(memory) <= budget, starts)
+    per_step = max(sum(parts[s][5] for s in range(stages) if owner[s] == r) for r in range(ranks))
+    return Estimate(sim.step_time + per_step, max(memory), max(memory) <= budget, starts)
 
 
 def _spans(starts: Sequence[int], layers: int) -> list[tuple[int, int]]:
@@ -267,40 +209,6 @@ def _spans(starts: Sequence[int], layers: int) -> list[tuple[int, int]]:
 
 def _hop_seconds(nbytes: float, link) -> float:
     return float(collective_time("send_recv", nbytes, 2, link.latency_s, link.bandwidth)) if nbytes else 0.0
-
-
-def balanced_starts(costs: LayerCosts, in_flight: Sequence[int], budget: float | None) -> tuple[int, ...] | None:
-    """The first layer of each stage, cutting where the slowest stage (forward and backward, the first and
-    last with their extras) is fastest, each stage's weights and in-flight activations within `budget`
-    (None: any); None if no cut fits."""
-    stages, n = len(in_flight), len(costs.layers)
-    work = costs.forward + costs.backward
-    prefix = np.concatenate([[0.0], np.cumsum(work[1:n + 1])])
-    saved = np.concatenate([[0.0], np.cumsum(costs.saved[1:n + 1])])
-    held = np.concatenate([[0.0], np.cumsum(costs.held[1:n + 1])])
-    best = np.full((stages + 1, n + 1), np.inf)
-    cut_at = np.zeros((stages + 1, n + 1), dtype=np.int64)
-    best[0, 0] = 0.0
-    for s in range(stages):
-        extra = (work[0] if s == 0 else 0.0) + (work[n + 1] if s == stages - 1 else 0.0)
-        mem_extra = ((costs.held[0] + in_flight[s] * costs.saved[0]) if s == 0 else 0.0) + \
-                    ((costs.held[n + 1] + in_flight[s] * costs.saved[n + 1]) if s == stages - 1 else 0.0)
-        for j in range(s + 1, n - (stages - s - 1) + 1):
-            i = np.arange(s, j)
-            time = prefix[j] - prefix[i] + extra
-            if budget is not None:
-                memory = held[j] - held[i] + in_flight[s] * (saved[j] - saved[i]) + mem_extra
-                time = np.where(memory <= budget, time, np.inf)
-            total = np.maximum(best[s, i], time)
-            k = int(np.argmin(total))
-            best[s + 1, j], cut_at[s + 1, j] = total[k], i[k]
-    if not np.isfinite(best[stages, n]):
-        return None
-    starts, j = [], n
-    for s in range(stages, 0, -1):
-        j = int(cut_at[s, j])
-        starts.append(j)
-    return tuple(reversed(starts))
 
 
 def exact_pipeline(captured: Captured, whole: Plan, plan_stage: PlanStage, mesh: MeshSpec, schedule: str,
@@ -312,22 +220,23 @@ def exact_pipeline(captured: Captured, whole: Plan, plan_stage: PlanStage, mesh:
     ranks, sub = mesh.sizes[axis], stage_mesh(mesh)
     programs = cut(captured, list(starts))
     owner = stage_ranks(schedule, ranks, virtual)
-    in_flight = simulate(schedule, ranks, virtual, microbatches, [StageTimes(1.0, 2.0, 1.0)] * len(programs)).in_flight
-    plans = _stage_plans(programs, whole, plan_stage, sub, schedule, in_flight, budget // virtual, user_inputs)
+    held = in_flight(schedule, ranks, virtual, microbatches)
+    plans = _stage_plans(programs, whole, plan_stage, sub, schedule, held, budget // virtual, user_inputs)
     link = device.axis_link(mesh.sizes, axis, mesh.axis_names[axis])
     stages = []
     for s, (prog, plan) in enumerate(zip(programs, plans)):
         forward, backward, weight, _ = stage_work(plan, prog.captured)
         stages.append(StagePlan(s, owner[s], prog.layers, plan, forward, backward, weight,
-                                sent_bytes(plan, prog.captured, prog.sends), in_flight[s]))
+                                sent_bytes(plan, prog.captured, prog.sends), held[s]))
     times = [StageTimes(st.forward_s, st.backward_s, st.weight_s, _hop_seconds(st.send_bytes, link)) for st in stages]
     sim = simulate(schedule, ranks, virtual, microbatches, times)
     memory = [sum(st.plan.memory_per_rank for st in stages if st.rank == r) for r in range(ranks)]
     worst = int(np.argmax(memory))
     if memory[worst] > budget:
         held = [st for st in stages if st.rank == worst]
-        raise ValueError(f"pipe rank {worst} (stages {[st.index for st in held]}) needs {memory[worst] / 2**30:.2f} GiB "
-                         f"with {microbatches} microbatches under {schedule}, over the budget of {budget / 2**30:.2f} "
+        raise ValueError(f"pipe rank {worst} (stages {[st.index for st in held]}) needs {memory[worst] / 2**30:.2f} "
+                         f"GiB with {microbatches} microbatches under {schedule}, over the budget of "
+                         f"{budget / 2**30:.2f} "
                          "GiB: give fewer virtual stages, another schedule, recomputation, or a larger budget")
     pipeline = Pipeline(mesh.axis_names[axis], schedule, microbatches, virtual, tuple(stages), sim.bubble,
                         "once per step" if whole.data_parallel == "fsdp" else "")
@@ -357,28 +266,10 @@ def _stage_plans(programs: list[StageProgram], whole: Plan, plan_stage: PlanStag
             planned[s] = plan_stage(prog.captured, sub, ins, outs, budget, k, pinned)
             weights.update(planned[s].param_placements)
         except ValueError as e:
-            raise ValueError(f"pipeline stage {s} of {last + 1} ({_span_name(prog.layers)}, {k} microbatch(es) in "
+            raise ValueError(f"pipeline stage {s} of {last + 1} ({span_name(prog.layers)}, {k} microbatch(es) in "
                              f"flight under {schedule}) does not fit its budget: {e}") from None
     return [planned[s] if first_of[kind] == s else transplant(planned[first_of[kind]], programs[first_of[kind]], prog)
             for s, (kind, prog) in enumerate(zip(kinds, programs))]
-
-
-def _span_name(layers: Sequence[str]) -> str:
-    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}"
-
-
-def stage_work(plan: Plan, captured: Captured) -> tuple[float, float, float, float]:
-    """A stage plan's seconds: forward, backward and weight gradient per microbatch, and the rest of its step
-    (the optimizer step, FSDP's exposed traffic), once per step."""
-    graph = {n.name: n for n in captured.gm.graph.nodes}
-    recomputed = dict(plan.recompute)
-    forward = backward = weight = busy = 0.0
-    for ns in plan.nodes:
-        if ns.kind == "param":
-            continue
-        f, b, w = node_work(ns, graph.get(ns.name), recomputed.get(_layer(ns.module)), plan.training, captured.params)
-        forward, backward, weight, busy = forward + f, backward + b, weight + w, busy + ns.compute_s + ns.comm_s
-    return forward, backward, weight, plan.step_time - busy
 
 
 def transplant(plan: Plan, source: StageProgram, target: StageProgram) -> Plan:
@@ -419,7 +310,8 @@ def pipelined(mesh: MeshSpec, pipeline: Pipeline, step_time: float, memory: list
     params = {k: v for st in stages for k, v in st.plan.param_placements.items()}
     worst = int(np.argmax(memory))
     return replace(whole, mesh=mesh, nodes=tuple(nodes), param_placements=params,
-                   input_placements=stages[0].plan.input_placements, output_placements=stages[-1].plan.output_placements,
+                   input_placements=stages[0].plan.input_placements,
+                   output_placements=stages[-1].plan.output_placements,
                    memory_per_rank=max(memory), comm_bytes=max(sent), step_time=step_time, memory_budget=budget,
                    peak_at=f"pipe rank {worst}", recompute=tuple(r for st in stages for r in st.plan.recompute),
                    stats=None, explainer=None, pipeline=pipeline, microbatches=m)

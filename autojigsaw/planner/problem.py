@@ -112,11 +112,11 @@ def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], gra
             key = (id(strategies[index[src]]), o, id(dst), k, grad[src.name], tuple(val.shape), val.dtype,
                    src.name in params)
             # FSDP sums these gradients itself (a scalar's: the graph, as under DDP)
-            fsdp = ctx.fsdp_axis if src.name in params and fsdp_shards(val) else None
+            summed = ctx.summed_axis if src.name in params and (fsdp_shards(val) or not ctx.regime.fsdp) else None
             if key not in cache:
                 cache[key] = edge_costs(val, _outputs(strategies[index[src]], o),
                                         tuple(s.inputs[k] for s in dst),
-                                        tuple(_without(consumer_partial_axes(s, k), fsdp) for s in dst),
+                                        tuple(_without(consumer_partial_axes(s, k), summed) for s in dst),
                                         grad[src.name], ctx)
             edges.append(Edge(index[src], index[node], k, cache[key]))
     memory = build_memory(nodes, strategies, ctx.mesh.sizes, training=ctx.training, grad=grad,

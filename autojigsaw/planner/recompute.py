@@ -91,11 +91,22 @@ def solve_with_recompute(problem: Problem, nodes: list[Node], params: dict[str, 
         warnings.warn("planner: activation_checkpointing='auto' ran out of time on "
                       + ", ".join(name for name, _ in timeouts)
                       + "; the plan is the fastest of the variants it solved", stacklevel=3)
-    return _fastest(tried) if feasible else tried[0]
+    return _with_gap_of_all(_fastest(tried), feasible) if feasible else tried[0]
 
 
 def _fastest(tried: list[Recomputed]) -> Recomputed:
     return min((r for r in tried if r.solution is not None), key=lambda r: r.solution.objective)
+
+
+def _with_gap_of_all(chosen: Recomputed, feasible: list[Recomputed]) -> Recomputed:
+    """The fastest variant, its gap measured from the lowest bound of every variant solved: another
+    variant's plan, solved within its own gap, may hide a faster one (a variant ruled out by its
+    cutoff has none below the chosen plan)."""
+    objective = chosen.solution.objective
+    lower = min(r.solution.objective * (1 - r.solution.gap) for r in feasible)
+    gap = max(objective - lower, 0.0) / objective if objective > 0 else 0.0
+    gap = 0.0 if gap <= 1e-6 else max(gap, chosen.solution.gap)
+    return replace(chosen, solution=replace(chosen.solution, gap=gap))
 
 
 def variant(problem: Problem, nodes: list[Node], layers: list[Layer], policy: str, k: int):

@@ -39,12 +39,12 @@ COLLECTIVES = {C.all_gather, C.reduce_scatter, C.all_reduce, C.all_to_all, C.sha
 
 
 def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str], *,
-                   fsdp_axis: int | None = None, fsdp_params: set[str] = frozenset()) -> None:
+                   summed_axis: int | None = None, summed_params: set[str] = frozenset()) -> None:
     """Set `grad=` on every collective, insert gradient masks and all-reduces (in place).
 
     `sources`: names of the placeholders whose gradient is wanted (parameters, inputs);
-    `params`: those that are parameters; `fsdp_axis`: the mesh axis over which FSDP
-    reduce-scatters the gradients of `fsdp_params` itself (their partial sums are left to it).
+    `params`: those that are parameters; `summed_axis`: the mesh axis over which the gradients of
+    `summed_params` are summed outside the graph (FSDP's reduce-scatter, an accumulated step's sum).
     """
     graph = gm.graph
     grad = needs_grad(gm, sources)
@@ -61,12 +61,12 @@ def set_grad_kinds(gm: GraphModule, rank, sources: set[str], params: set[str], *
             if not multi:  # a tuple's readers are getitems, which settle themselves
                 _agree(graph, node, {a: (kinds[(node, idx, a)], said[a]) for a in axes}, rank)
                 if node.op == "placeholder":
-                    summed_by_fsdp = fsdp_axis if node.name in fsdp_params else None
+                    summed_outside = summed_axis if node.name in summed_params else None
                     _sum_gradient_at(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P
-                                                   and a != summed_by_fsdp], rank)
-                    if summed_by_fsdp in axes and kinds[(node, idx, summed_by_fsdp)] == GradKind.R:
-                        # full on every rank of the FSDP axis, whose reduce-scatter sums them: keep rank 0's
-                        mask = (C.grad_mask, summed_by_fsdp, {"axis": rank.axis(summed_by_fsdp)})
+                                                   and a != summed_outside], rank)
+                    if summed_outside in axes and kinds[(node, idx, summed_outside)] == GradKind.R:
+                        # full on every rank of the axis, whose sum outside the graph adds them up: keep rank 0's
+                        mask = (C.grad_mask, summed_outside, {"axis": rank.axis(summed_outside)})
                         _before_readers(graph, node, [mask])
                 _settle_before_parameters(graph, node, [a for a in axes if kinds[(node, idx, a)] == GradKind.P],
                                           kinds, grad, params, rank)

@@ -78,10 +78,11 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         env[node] = new
     gm = GraphModule(captured.gm, graph)
     if training:
+        once = fsdp or plan.sums_once  # FSDP's, or a step's sum once its microbatches have accumulated
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params),
-                       fsdp_axis=data_axes(plan.mesh)[0] if fsdp else None,
-                       fsdp_params={n.name for n in captured.gm.graph.nodes
-                                    if n.name in captured.params and fsdp_shards(n.meta["val"])})
+                       summed_axis=data_axes(plan.mesh)[0] if once else None,
+                       summed_params={n.name for n in captured.gm.graph.nodes
+                                    if n.name in captured.params and (fsdp_shards(n.meta["val"]) or not fsdp)})
     fuse_collectives(gm)
     units = layer_units(list(captured.gm.graph.nodes), captured.params) if fsdp else None
     bucket_collectives(gm, captured, rank, units)
@@ -91,6 +92,11 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
 
 def src_is_tensor(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def check_plan_matches(captured: Captured, plan: Plan) -> None:
+    """A ValueError unless `plan` has an entry of the right shape for every node of the captured program."""
+    _check_matches(captured, {n.name: n for n in plan.nodes})
 
 
 def _check_matches(captured: Captured, by_name) -> None:

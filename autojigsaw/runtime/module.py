@@ -32,9 +32,10 @@ from ..ir import ORIGIN
 from ..kernels.collectives import CollectiveError
 from ..mesh import MeshSpec
 from ..plan import Plan
+from ..training import data_axes
 from .fsdp import FsdpUnits
 from .feeds import program_feeds
-from .pipeline import PipelineRun, loss_of, split_microbatches
+from .pipeline import PipelineRun, loss_of, split_microbatches, sum_gradients
 from .program import Program
 from .module_state import PLAIN, changed_state, describe_modes, module_state
 from .same_values import check_same_values, checks_again, values_to_agree
@@ -124,6 +125,9 @@ class ParallelModule(nn.Module):
             loss.backward()
             part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
             total = part if total is None else total + part
+        if self.plan.sums_once and self.plan.data_parallel == "ddp":  # DDP's sum, once the microbatches are in
+            data = self.mesh.axis_names[data_axes(self.mesh)[0]]
+            sum_gradients(list(self.parameters()), self.device_mesh.get_group(data))
         return total
 
     def build(self, args: tuple, kwargs: dict) -> None:

@@ -84,6 +84,7 @@ class PipelineRun:
     loss_dtype: torch.dtype = torch.float32  # of the mean loss every rank returns (the model's, at least fp32)
     input_shapes: tuple = ()  # of the example's tensor inputs, whole: the stages' shapes are fixed at build
     stages: tuple = ()  # this rank's PipelineStages
+    data_group: dist.ProcessGroup | None = None  # DDP's data axis, whose gradient sum runs after the schedule
 
     @property
     def has_first(self) -> bool:
@@ -108,6 +109,8 @@ class PipelineRun:
         last = self.pipeline.stages[-1].rank
         dist.broadcast(loss, src=dist.get_global_rank(self.group, last), group=self.group)
         self._sum_tied_gradients()
+        if self.data_group is not None:
+            sum_gradients([p for p in self.model.parameters()], self.data_group)
         return loss
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
@@ -244,3 +247,23 @@ def split_microbatches(args: tuple, kwargs: dict, microbatches: int) -> list[tup
     rows = batch // microbatches
     return [pytree.tree_map(lambda x, k=k: x[k * rows:(k + 1) * rows] if isinstance(x, torch.Tensor) and x.ndim > 0
                             else x, (args, kwargs)) for k in range(microbatches)]
+
+
+def sum_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Every weight's gradient summed over `group` (the data axis under DDP, once its microbatches have
+    accumulated), one all-reduce per dtype on a flat copy; a weight with no gradient adds zeros."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
