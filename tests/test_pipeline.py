@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -411,6 +412,27 @@ def test_bad_input_is_refused_with_the_fix(ranks2):
         assert out["steps after"] == "True", out
         assert "train_step needs a model that returns its loss" in out["no loss, no pipe"], out
         assert "microbatches=2 does not divide the batch of 3" in out["indivisible, no pipe"], out
+
+
+PLAN_REFUSALS = [  # (mesh, options, what the message says): the model has 2 layers, the batch 8 rows
+    ({"pipe": 2}, {"pipeline_schedule": "zero-bubble"},
+     "'zero-bubble' runs 2 stages per pipe rank, 4 stages on 2 pipe ranks, but the model has 2 repeated layers"),
+    ({"pipe": 2}, {"pipeline_schedule": "interleaved"}, "choose '1F1B' or 'gpipe', or a smaller pipe axis"),
+    ({"pipe": 2}, {"pipeline_schedule": "gpipe", "virtual_stages": 2}, "'gpipe' runs 1 stage(s) per pipe rank"),
+    ({"pipe": 2, "data": 2}, {"microbatches": 8}, "microbatches=8 does not divide the batch of 4 rows per data"),
+    ({"data": 2}, {"microbatches": 8}, "microbatches=8 x 2 ranks of data axis 'data' does not divide the batch of 8"
+                                       " (dim 0 of the inputs): give microbatches that do (here: 1, 2, 4)"),
+    ({"tensor": 2}, {"microbatches": 3}, "microbatches=3 does not divide the batch of 8"),
+    ({"tensor": 2}, {"pipeline_schedule": "1F1B"}, "pipeline_schedule='1F1B' schedules pipeline stages, and mesh"),
+    ({"tensor": 2}, {"virtual_stages": 2}, "has no pipe axis: name a mesh axis 'pipe' (or 'pp'), or drop virtual"),
+]
+
+
+def test_plans_that_cannot_run_are_refused_with_the_fix():
+    model, ids = _model("llama", layers=2)
+    for mesh, options, message in PLAN_REFUSALS:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            autojigsaw.plan(model, (ids,), mesh, example_kwargs={"labels": ids}, device="cpu", **options)
 
 
 def test_fsdp_refuses_a_weight_two_stages_of_one_rank_read():

@@ -12,6 +12,7 @@ plans one microbatch and prices the step as that many, one after another, then o
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import replace
 
 import torch
@@ -56,11 +57,32 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec
         return plan_pipelined(model, args, kwargs, mesh, options)
     regime = options.regime(mesh)
     microbatches = options.microbatches or 1
-    if microbatches > 1:  # gradient accumulation: one microbatch planned, priced that many times
-        args, kwargs = microbatch_of(args, kwargs, microbatches)
+    args, kwargs = accumulated_inputs(args, kwargs, mesh, options, microbatches)
     symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
     captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
     return accumulated(plan_captured(captured, mesh, options), captured, microbatches)
+
+
+def accumulated_inputs(args: tuple, kwargs: dict, mesh: MeshSpec, options: Options, microbatches: int
+                       ) -> tuple[tuple, dict]:
+    """Without a pipe axis: the inputs one program is planned at, the first of `microbatches` (gradient
+    accumulation); options that only a pipe axis takes, and a batch that microbatches x data replicas do not
+    divide, are ValueErrors."""
+    for name in ("pipeline_schedule", "virtual_stages"):
+        if getattr(options, name) is not None:
+            raise ValueError(f"{name}={getattr(options, name)!r} schedules pipeline stages, and mesh "
+                             f"{mesh.describe()} has no pipe axis: name a mesh axis 'pipe' (or 'pp'), or drop {name}")
+    if microbatches == 1:
+        return args, kwargs
+    batch, axes = batch_size(args, kwargs), data_axes(mesh)
+    replicas = math.prod(mesh.sizes[a] for a in axes)
+    if batch % (microbatches * replicas):
+        where = f" x {replicas} ranks of data axis {mesh.axis_names[axes[0]]!r}" if replicas > 1 else ""
+        fits = ", ".join(str(m) for m in range(1, batch + 1) if batch % (m * replicas) == 0) or "none"
+        raise ValueError(f"microbatches={microbatches}{where} does not divide the batch of {batch} (dim 0 of the "
+                         f"inputs): give microbatches that do (here: {fits}), or a batch that "
+                         f"{microbatches * replicas} divides")
+    return microbatch_of(args, kwargs, microbatches)
 
 
 def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec, options: Options) -> Plan:
