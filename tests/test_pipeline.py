@@ -1,14 +1,15 @@
 """Pipeline stages over a "pipe" axis, and gradient accumulation without one, train as the single-device model.
 
 A tiny Llama and GPT-2 (its embedding tied to its head, a copy on each pipe rank that holds a stage
-reading it), of 2 to 4 layers (the fewest each case takes), are cut into stages and run under PyTorch's schedules, alone and beside a tensor axis or an
-FSDP data axis; the loss, every gradient and the parameters after two AdamW steps must equal the
-single-device model's, which trains on the whole batch: microbatches change only the order of the sums.
-The models are fp64, but Hugging Face's causal-LM loss computes in fp32 (`logits.float()`) and Llama's
-RMSNorm too, so values agree to fp32 rounding (the tolerance of tests/test_hf_models.py). Under FSDP a
-stage gathers its weights once per step and reduce-scatters their gradients once, after its last
-microbatch (PyTorch's PipelineStage does so for a stage module that is an FSDP module); counted here.
-Checkpoints (torch.distributed.checkpoint) move between a pipelined mesh and one without a pipe axis.
+reading it), of 2 to 4 layers (the fewest each case takes), are cut into stages and run under
+PyTorch's schedules, alone and beside a tensor axis or an FSDP data axis; the loss, every gradient
+and the parameters after two AdamW steps must equal the single-device model's, which trains on the
+whole batch: microbatches change only the order of the sums. The models are fp64, but Hugging
+Face's causal-LM loss computes in fp32 (`logits.float()`) and Llama's RMSNorm too, so values agree
+to fp32 rounding (the tolerance of tests/test_hf_models.py). Under FSDP a stage gathers its weights
+once per step and reduce-scatters their gradients once, after its last microbatch (PyTorch's
+PipelineStage does so for a stage module that is an FSDP module); counted here. Checkpoints
+(torch.distributed.checkpoint) move between a pipelined mesh and one without a pipe axis.
 Plans are made once in the test process and sent as JSON.
 """
 
@@ -274,19 +275,23 @@ def test_pipeline_trains_like_one_device(ranks2, ranks4, name, layers, mesh, sch
 
 
 def _train_bf16(name: str, mesh: tuple, plan: str, *, layers: int, **options) -> dict:
-    """One step of the model over `mesh` in bf16 with fp32 masters (`options` hold the mp_policy), and of the single-device model in bf16 (the
-    same casts, no autocast): the loss's and each gradient's differences relative to the largest gradient."""
+    """One step of the model over `mesh` in bf16 with fp32 masters (`options` hold the mp_policy), and of the
+    single-device model in bf16 (the same casts, no autocast) and in fp32: the loss's and each gradient's
+    differences relative to the largest gradient."""
     pmodel, ref, ids = _parallel(name, mesh, plan, layers=layers, dtype=torch.float32, **options)
     low = copy.deepcopy(ref).to(torch.bfloat16)
     loss = pmodel.train_step(ids, labels=ids)
     low_loss = low(ids, labels=ids).loss
     low_loss.backward()
+    ref(ids, labels=ids).loss.backward()  # in fp32
     scale = max(q.grad.abs().max().item() for q in low.parameters())
     grads = {fqn: _diff(_whole(p.grad), low.get_parameter(fqn).grad) / scale for fqn, p in pmodel.named_parameters()}
     return {"loss": abs(loss.item() - low_loss.item()) / abs(low_loss.item()), "grad": grads,
             "dtypes": sorted({str(p.dtype) for p in pmodel.parameters()} | {str(p.grad.dtype) for p in
                                                                                pmodel.parameters()}),
-            "names": sorted(n for n, _ in low.named_parameters())}
+            "names": sorted(n for n, _ in low.named_parameters()),
+            "from_fp32": max(_diff(_whole(p.grad), ref.get_parameter(fqn).grad) for fqn, p in pmodel.named_parameters())
+            / scale}
 
 
 def test_bf16_stages_train_like_one_device_in_bf16(ranks4):
@@ -296,6 +301,7 @@ def test_bf16_stages_train_like_one_device_in_bf16(ranks4):
     assert set().union(*(r["grad"] for r in results)) == set(results[0]["names"])
     for r in results:
         assert r["dtypes"] == ["torch.float32"], r["dtypes"]  # fp32 masters and gradients
+        assert r["from_fp32"] > 2.0**-12, r  # farther from the fp32 model than fp32 rounding: computed in bf16
         assert r["loss"] <= BF16_TOL and max(r["grad"].values()) <= BF16_TOL, r
 
 

@@ -22,6 +22,7 @@ from ..planner.mesh_search import estimate_mesh, factorings, lower_bound_memory
 from ..planner.layer_costs import layer_costs
 from ..planner.pipeline import NO_BUDGET, PipelineChoice
 from ..runtime.pipeline import batch_size
+from ..training import pipe_axis
 from .pipelines import microbatch_of, plan_model
 from .recipe import capture_for, plan_captured
 
@@ -84,7 +85,9 @@ def _best_exact(model, args: tuple, kwargs: dict, options: Options, estimates: l
         if len(exact) == EXACT_MESHES:
             break
         try:
-            exact.append(plan_model(model, args, kwargs, est.mesh, options))
+            piped = pipe_axis(est.mesh) is not None  # a schedule imposed for the meshes with a pipe axis
+            exact.append(plan_model(model, args, kwargs, est.mesh, options if piped else
+                                    replace(options, pipeline_schedule=None, virtual_stages=None)))
         except ValueError as e:  # the estimate fitted where the plan does not: the next one
             errors.append(MeshChoice(est.mesh, est.step_time, est.memory, False, str(e).splitlines()[0][:120]))
     if not exact:
