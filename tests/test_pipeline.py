@@ -239,24 +239,27 @@ def _options(name: str, mesh: tuple, layers: int = 4, **options) -> dict:
     if "tensor" in axes:
         options["memory_budget"] = (TENSOR_BUDGET if "pipe" in axes else ACCUMULATION_BUDGET)[name, layers]
     if "data" in axes:
-        options["data_parallel"] = "fsdp"
+        options.setdefault("data_parallel", "fsdp")
     return options
 
 
 # ---------------------------------------------------------------- schedules, meshes, recomputation
 
 CASES = [  # (model, layers, mesh, schedule, options): each schedule; both models on each mesh (Llama on pipe x
-    # tensor in the checkpoint test); 3 layers over 2 stages; recomputation under FSDP; the fewest layers each takes
+    # tensor in the checkpoint test); 3 layers over 2 stages; recomputation under FSDP; DDP; the fewest layers each
+    # takes
     ("llama", 3, PIPE, "1F1B", {}),
     ("gpt2", 4, PIPE, "zero-bubble", {}),
     ("gpt2", 2, PIPE_TENSOR, "gpipe", {}),
     ("llama", 2, PIPE_DATA, "gpipe", {"activation_checkpointing": "full"}),
     ("gpt2", 4, PIPE_DATA, "interleaved", {"virtual_stages": 2, "activation_checkpointing": "selective"}),
+    ("llama", 2, PIPE_DATA, "1F1B", {"data_parallel": "ddp"}),  # DDP sums the gradients once, after the schedule
 ]
 
 
 @pytest.mark.parametrize("name,layers,mesh,schedule,options", CASES,
-                         ids=[f"{c[0]}{c[1]}-{'x'.join(a for a, _ in c[2])}-{c[3]}" for c in CASES])
+                         ids=[f"{c[0]}{c[1]}-{'x'.join(a for a, _ in c[2])}-{c[3]}{'-ddp' * ('data_parallel' in c[4])}"
+                              for c in CASES])
 def test_pipeline_trains_like_one_device(ranks2, ranks4, name, layers, mesh, schedule, options):
     options = _options(name, mesh, layers, **options)
     plan = Plan.from_json(_plan(name, mesh, layers, pipeline_schedule=schedule, **options))
@@ -270,7 +273,7 @@ def test_pipeline_trains_like_one_device(ranks2, ranks4, name, layers, mesh, sch
     results = (ranks4 if len(mesh) == 2 else ranks2).run(_train, name, mesh, plan.to_json(), layers=layers,
                                                          **options)
     _check(results)
-    if "data" in dict(mesh):
+    if options.get("data_parallel") == "fsdp":
         _check_fsdp_once(results)
 
 
