@@ -164,6 +164,10 @@ class Plan:
         decisions = [(n.name, [format_placements(p) for p in n.inputs],
                       [format_placements(p) if p else None for p in n.outputs], n.kernel)
                      for n in self.nodes]
+        if self.microbatches != 1 or self.pipeline is not None:  # a plain plan's hash as it always was
+            pipe = self.pipeline
+            decisions.append((self.microbatches, None if pipe is None else
+                              (pipe.schedule, pipe.virtual_stages, [(st.rank, st.layers) for st in pipe.stages])))
         return hashlib.sha256(json.dumps(decisions).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------ printing

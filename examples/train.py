@@ -3,13 +3,16 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py                 # small Llama, 2 x 2 mesh
     torchrun --standalone --nproc-per-node 4 examples/train.py --model gpt2 --mesh data=2,tensor=2 \\
         --data tokens.npy --steps 100 --compile
+    torchrun --standalone --nproc-per-node 4 examples/train.py --mesh pipe=2,tensor=2   # pipeline stages
     torchrun --standalone --nproc-per-node 4 examples/train.py --resume --steps 200    # go on
 
 The model is built from a config (no download) with the same seed on every rank, so any mesh
 starts from the same weights and reads the same batches: the losses match a 1-rank run. Rank 0
 prints the plan and a line per step; a checkpoint (model + optimizer, torch.distributed.checkpoint)
 is saved at the end under --checkpoint-dir (a crash mid-save keeps the previous one), and --resume
-continues from the latest one, on the same mesh or another.
+continues from the latest one, on the same mesh or another. One loop serves every mesh:
+`pmodel.train_step` runs the step's forward and backward (over a pipe axis, every microbatch under
+the plan's schedule) and returns the loss.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -40,6 +44,8 @@ from autojigsaw.training import RECOMPUTE_CHOICES
 MODELS = ("llama", "gpt2")
 AXES = ("data", "domain", "tensor")  # "2x2" names the last two, "2x2x2" all three
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+# the optimizer's state keyed by parameter name: over a pipe axis each rank's optimizer holds other parameters
+BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 BAD_INPUT_GRACE_S = 30  # how long other ranks wait, after bad input, for local rank 0 to print and exit
 transformers.logging.set_verbosity_error()
 
@@ -51,8 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (above every token id of --data)")
     p.add_argument("--mesh", default="2x2", help="4 (tensor), 2x2 (domain x tensor), 2x2x2 (data x domain x "
-                   "tensor) or named: data=2,tensor=2; the product must be the number of ranks")
+                   "tensor) or named: data=2,tensor=2, pipe=2,tensor=2; the product must be the number of ranks")
     p.add_argument("--batch", type=int, default=8, help="sequences per step, over all ranks")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: the planner's "
+                   "choice over a pipe axis, else 1; without a pipe axis: gradient accumulation)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=3, help="train up to this step (counted from the start "
                    "of the first run when resuming)")
@@ -211,7 +219,8 @@ def save(folder: Path, step: int, pmodel, opt) -> Path:
         shutil.rmtree(folder / f"{name[0]}.tmp", ignore_errors=True)  # left by a save that crashed
     dist.broadcast_object_list(name, src=0)
     path, partial = folder / name[0], folder / f"{name[0]}.tmp"
-    state = {"model": pmodel.state_dict(), "optim": get_optimizer_state_dict(pmodel, opt), "step": step}
+    state = {"model": pmodel.state_dict(), "optim": get_optimizer_state_dict(pmodel, opt, options=BY_NAME),
+             "step": step}
     dcp.save(state, checkpoint_id=partial)
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
@@ -224,7 +233,7 @@ def save(folder: Path, step: int, pmodel, opt) -> Path:
 
 def load(folder: Path, pmodel, opt) -> int:
     """Load the latest checkpoint into the model and optimizer; the step it was saved at."""
-    state = {"model": pmodel.state_dict(), "optim": get_optimizer_state_dict(pmodel, opt), "step": 0}
+    state = {"model": pmodel.state_dict(), "optim": get_optimizer_state_dict(pmodel, opt, options=BY_NAME), "step": 0}
     path = latest_checkpoint(folder)
     try:
         dcp.load(state, checkpoint_id=path)
@@ -232,7 +241,7 @@ def load(folder: Path, pmodel, opt) -> int:
         cause, _traceback = next(iter(err.failures.values()))
         raise BadInput(f"--resume: {path} does not fit this model ({cause}): give the --model, --layers, "
                        "--hidden, --vocab and --dtype it was saved with") from err
-    set_optimizer_state_dict(pmodel, opt, state["optim"])
+    set_optimizer_state_dict(pmodel, opt, state["optim"], options=BY_NAME)
     return state["step"]
 
 
@@ -243,9 +252,11 @@ def train(args, sizes, names, tokens) -> None:
     ids = batch_at(0, args, tokens, device)
     budget = None if args.memory_budget is None else int(args.memory_budget * 2**20)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp else None
-    pmodel = autojigsaw.parallelize(build_model(args, device), mesh, (ids,), example_kwargs={"labels": ids},
+    model = build_model(args, device)
+    params = sum(p.numel() for p in model.parameters())  # over a pipe axis a rank holds only its stages'
+    pmodel = autojigsaw.parallelize(model, mesh, (ids,), example_kwargs={"labels": ids},
                                     compile=args.compile, memory_budget=budget, mp_policy=mp,
-                                    activation_checkpointing=args.recompute)
+                                    activation_checkpointing=args.recompute, microbatches=args.microbatches)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
     start = load(args.checkpoint_dir, pmodel, opt) if args.resume else 0
     if start >= args.steps:
@@ -253,15 +264,14 @@ def train(args, sizes, names, tokens) -> None:
                        "--steps to go on")
     if rank == 0:
         print(pmodel.plan, flush=True)
-        print(f"\n{args.model}, {sum(p.numel() for p in pmodel.parameters()) / 1e6:.2f} M parameters, "
+        print(f"\n{args.model}, {params / 1e6:.2f} M parameters, "
               f"batch {args.batch} x {args.seq} tokens, {world} rank(s) on {device.type}"
               + (f", resuming after step {start}" if start else ""), flush=True)
     peaks = torch.zeros(world, dtype=torch.float64, device=device)
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         ids = batch_at(step - 1, args, tokens, device)
-        loss = pmodel(ids, labels=ids).loss
-        loss.backward()
+        loss = pmodel.train_step(ids, labels=ids)  # forward and backward of every microbatch
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = loss.item()  # waits for the step

@@ -2,8 +2,10 @@
 
 The script builds the same weights and batches on any mesh, so a 2-rank run of 4 steps (killed
 while saving its second checkpoint), and the runs resumed from its first checkpoint on the same 2
-ranks and on a domain=2 mesh, must print the losses of a 1-rank run of 4 steps, to fp32 rounding. Bad input must end the run before any process group starts, with one line naming
-the fix: under torchrun once, and in this process (the checks need no launcher) for the rest.
+ranks, on a domain=2 mesh and on a pipe=2 mesh (two pipeline stages under train_step), must print
+the losses of a 1-rank run of 4 steps, to fp32 rounding. Bad input must end the run before any
+process group starts, with one line naming the fix: under torchrun once, and in this process (the
+checks need no launcher) for the rest.
 """
 
 import math
@@ -72,7 +74,7 @@ def test_parallel_crashed_and_resumed_losses_equal_one_rank(tmp_path):
     """One rank, 4 steps; 2 ranks on tensor=2, 4 steps, saving at 2 and killed while saving at 4;
     resumed from step 2 on the same mesh, and on domain=2, which replicates the weights the
     checkpoint holds split (DCP reshards them and Adam's state; 2 -> 4 ranks: tests/test_checkpoint.py)."""
-    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    ckpt, other, piped = tmp_path / "ckpt", tmp_path / "other", tmp_path / "piped"
     single = start(one_rank("--steps", "4", "--checkpoint-dir", ""))  # alongside the parallel runs
     (tmp_path / "crash.py").write_text(CRASH_IN_SECOND_SAVE)
     crash = [*torchrun(2, *SHARDED, "--steps", "4", "--save-every", "2", "--checkpoint-dir", str(ckpt))]
@@ -85,12 +87,17 @@ def test_parallel_crashed_and_resumed_losses_equal_one_rank(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "step-000002"
     assert not (ckpt / "step-000004").exists() and (ckpt / "step-000004.tmp").is_dir()
     shutil.copytree(ckpt, other)
+    shutil.copytree(ckpt, piped)
+    pipe = start(torchrun(2, "--mesh", "pipe=2", "--steps", "4", "--checkpoint-dir", str(piped), "--resume"))
     same = start(torchrun(2, *SHARDED, "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume"))
     rc, resharded, err = finish(start(torchrun(2, "--mesh", "domain=2", "--steps", "4", "--checkpoint-dir",
                                                str(other), "--resume")))
     assert rc == 0, resharded + err
     rc, resumed, err = finish(same)
     assert rc == 0, resumed + err
+    rc, pipelined, err = finish(pipe)
+    assert rc == 0, pipelined + err
+    assert "pipe: 2 stages on 2 ranks" in pipelined and sorted(losses(pipelined)) == [3, 4], pipelined
     assert "resuming after step 2" in resumed and "resuming after step 2" in resharded
     assert (ckpt / "latest").read_text().strip() == "step-000004" and not (ckpt / "step-000004.tmp").exists()
     rc, out, err = finish(single)
@@ -102,7 +109,7 @@ def test_parallel_crashed_and_resumed_losses_equal_one_rank(tmp_path):
     assert losses(resumed) == {3: crashed[3], 4: crashed[4]}  # the same mesh: bitwise (as printed)
     # Another mesh sums in another order: printed to 6 decimals, 2e-6 is 4 units of fp32 roundoff
     # (2**-21 = 4.8e-7 at a loss between 4 and 8), one of them the printing.
-    for run in (crashed, losses(resharded)):
+    for run in (crashed, losses(resharded), losses(pipelined)):
         for step, loss in run.items():
             assert loss == pytest.approx(reference[step], abs=2e-6), (step, run, reference)
 

@@ -34,7 +34,7 @@ from ..training import pipe_axis, data_axes
 
 from .cached import planned_or_cached
 from .planning import _check_model, _positional
-from .pipelines import accumulated, build_pipeline, microbatch_of
+from .pipelines import accumulated, accumulated_inputs, build_pipeline
 from .recipe import _symbolic, capture_for
 
 log = logging.getLogger("autojigsaw")
@@ -82,7 +82,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs: Sequence | None = 
     if example_inputs is not None:
         args, kwargs = _positional(example_inputs), dict(example_kwargs or {})
         microbatches = (plan.microbatches if plan is not None else options.microbatches) or 1
-        module.build(*(microbatch_of(args, kwargs, microbatches) if microbatches > 1 else (args, kwargs)))
+        module.build(*accumulated_inputs(args, kwargs, mesh_spec, options, microbatches))
     elif regime.fsdp and mesh_spec.sizes[data_axes(mesh_spec)[0]] > 1:
         raise ValueError("data_parallel='fsdp' shards the weights when the module is built: pass example_inputs "
                          "to parallelize, or data_parallel='ddp' to plan at the first call")

@@ -22,7 +22,7 @@ from ..planner.mesh_search import estimate_mesh, factorings, lower_bound_memory
 from ..planner.layer_costs import layer_costs
 from ..planner.pipeline import NO_BUDGET, PipelineChoice
 from ..runtime.pipeline import batch_size
-from ..training import data_axes
+from ..training import data_axes, pipe_axis
 from .pipelines import microbatch_of, plan_model
 from .recipe import capture_for, plan_captured
 
@@ -75,8 +75,13 @@ def _base_costs(one, options: Options):
 
 
 def _on(mesh: MeshSpec, options: Options) -> Options:
-    """The options for one candidate mesh: `data_parallel` (FSDP or DDP) only where it has a data axis."""
-    return options if data_axes(mesh) else replace(options, data_parallel=None)
+    """The options for one candidate mesh: `data_parallel` (FSDP or DDP) only where it has a data axis, an
+    imposed schedule and virtual stages only where it has a pipe axis."""
+    if not data_axes(mesh):
+        options = replace(options, data_parallel=None)
+    if pipe_axis(mesh) is None:
+        options = replace(options, pipeline_schedule=None, virtual_stages=None)
+    return options
 
 
 def _tensor(mesh: MeshSpec) -> int:

@@ -12,9 +12,11 @@ plans one microbatch and prices the step as that many, one after another, then o
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import replace
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..capture import Captured, at_sizes, refuse_backward_hooks
 from ..capture.stages import cut, layer_stack
@@ -34,8 +36,9 @@ from ..runtime.fsdp import shard_in_units
 from ..runtime.materialize import materialize_model
 from ..runtime.one_plan import planned_on_rank0
 from ..runtime.one_program import follow_rank0_order
-from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_parameters, loss_reader, make_stage,
-                                meta_like, split_microbatches, stage_device_mesh)
+from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_parameters, loss_dtype, loss_reader,
+                                make_stage, meta_like, refuse_fsdp_in_two_stages, split_microbatches,
+                                stage_device_mesh, tensor_shapes)
 from ..runtime.program import Program
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
@@ -55,11 +58,32 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec
         return plan_pipelined(model, args, kwargs, mesh, options)
     regime = options.regime(mesh)
     microbatches = options.microbatches or 1
-    if microbatches > 1:  # gradient accumulation: one microbatch planned, priced that many times
-        args, kwargs = microbatch_of(args, kwargs, microbatches)
+    args, kwargs = accumulated_inputs(args, kwargs, mesh, options, microbatches)
     symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
     captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
     return accumulated(plan_captured(captured, mesh, options), captured, microbatches)
+
+
+def accumulated_inputs(args: tuple, kwargs: dict, mesh: MeshSpec, options: Options, microbatches: int
+                       ) -> tuple[tuple, dict]:
+    """Without a pipe axis: the inputs one program is planned at, the first of `microbatches` (gradient
+    accumulation); options that only a pipe axis takes, and a batch that microbatches x data replicas do not
+    divide, are ValueErrors."""
+    for name in ("pipeline_schedule", "virtual_stages"):
+        if getattr(options, name) is not None:
+            raise ValueError(f"{name}={getattr(options, name)!r} schedules pipeline stages, and mesh "
+                             f"{mesh.describe()} has no pipe axis: name a mesh axis 'pipe' (or 'pp'), or drop {name}")
+    if microbatches == 1:
+        return args, kwargs
+    batch, axes = batch_size(args, kwargs), data_axes(mesh)
+    replicas = math.prod(mesh.sizes[a] for a in axes)
+    if batch % (microbatches * replicas):
+        where = f" x {replicas} ranks of data axis {mesh.axis_names[axes[0]]!r}" if replicas > 1 else ""
+        fits = ", ".join(str(m) for m in range(1, batch + 1) if batch % (m * replicas) == 0) or "none"
+        raise ValueError(f"microbatches={microbatches}{where} does not divide the batch of {batch} (dim 0 of the "
+                         f"inputs): give microbatches that do (here: {fits}), or a batch that "
+                         f"{microbatches * replicas} divides")
+    return microbatch_of(args, kwargs, microbatches)
 
 
 def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec, options: Options) -> Plan:
@@ -119,67 +143,88 @@ def build_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_
     check_group(device_mesh, mesh)
     refuse_backward_hooks(model)
     sub, regime = stage_mesh(mesh), options.regime(stage_mesh(mesh))
-    whole = capture_for(model, args, kwargs, regime)
-    follow_rank0_order(whole)
-    plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
-    check_agreement({**program_facts(whole), "plan": plan_fact, "options": options.describe()})
+    # with a plan given, the one capture is its microbatch's; without, the whole batch's first, to agree on
+    # before rank 0 plans
+    captured = _capture_agreed(model, args, kwargs, regime, plan, options)
     if plan is None:
         plan = planned_on_rank0(lambda: plan_pipelined(model, args, kwargs, mesh, options))
     if plan.pipeline is None or plan.mesh != mesh:
         raise ValueError(f"the plan was made for mesh {plan.mesh.describe()} without this pipe axis: plan again for "
                          f"{mesh.describe()}")
-    check_same_values(values_to_agree(model, whole, args, kwargs, weights=True, whole_inputs=True))
+    check_same_values(values_to_agree(model, captured, args, kwargs, weights=True, whole_inputs=True))
     pipeline = plan.pipeline
-    captured = capture_for(model, *microbatch_of(args, kwargs, pipeline.microbatches), regime)
-    follow_rank0_order(captured)
+    if [x for x in captured.input_shapes if x is not None] != _microbatch_shapes(args, kwargs, pipeline.microbatches):
+        captured = _capture_agreed(model, args, kwargs, regime, plan, options)
     programs = cut(captured, starts_of(plan, captured))
     stage_dm = stage_device_mesh(device_mesh, mesh)
     rank = RankView.of(stage_dm, sub)
     me = device_mesh.get_local_rank(pipeline.axis)
     mine = pipeline.stages_of(me)
     tied = _tied(model, pipeline, rank, me)
+    refuse_fsdp_in_two_stages(pipeline, [set(p.captured.params.values()) for p in programs], regime, sub)
     weights = {fqn: pl for st in mine for fqn, pl in st.plan.param_placements.items()}
     materialize_model(model, weights, stage_dm, rank.coord)
     drop_parameters(model, keep=set(weights))
     built = [_stage_program(model, programs[st.index], st.plan, rank, stage_dm, regime, options, compile)
              for st in mine]
-    stages = [make_stage(StageModule(functools.partial(_call, model, p, st.index > 0),
-                                     [model.get_parameter(fqn) for fqn in sorted(set(p.captured.params.values()))],
-                                     first=st.index == 0),
-                         st.index, len(pipeline.stages), torch.device(device_mesh.device_type),
-                         device_mesh.get_group(pipeline.axis), *_metas(p, st.index, args, pipeline.microbatches))
-              for st, p in zip(mine, built)]
+    group, device = device_mesh.get_group(pipeline.axis), torch.device(device_mesh.device_type)
+    stages = [make_stage(module, st.index, len(pipeline.stages), device, group,
+                         *_metas(p, st.index, args, pipeline.microbatches))
+              for st, (module, p) in zip(mine, built)]
     cls = SCHEDULES[pipeline.schedule]
     schedule = cls(stages[0] if pipeline.schedule in SINGLE else stages, n_microbatches=pipeline.microbatches,
-                   loss_fn=loss_reader(captured.out_spec))
+                   loss_fn=loss_reader(captured.out_spec, pipeline.microbatches), scale_grads=False)
     data = data_axes(sub)
     data_group = (stage_dm.get_group(sub.axis_names[data[0]])
                   if mine[0].plan.sums_once and mine[0].plan.data_parallel == "ddp" else None)
     run = PipelineRun(pipeline, schedule, tuple(st.index for st in mine), device_mesh.get_group(pipeline.axis), model,
-                      tied, tuple(built), data_group)
+                      tied, tuple(p for _, p in built), loss_dtype(captured), tensor_shapes(args, kwargs),
+                      tuple(stages), data_group)
     return plan, run
 
 
-def _call(model: torch.nn.Module, program: Program, received: bool, flat: list) -> tuple:
-    """A stage program's outputs for the flat inputs the stage receives (within FSDP's root unit, if any): the
-    first stage's whole inputs, sliced here; the others' (`received`) shards, as the stage before sent them."""
-    def run():
-        return program.run(*program_feeds(model, program, flat, local_inputs=received))
+def _capture_agreed(model: torch.nn.Module, args: tuple, kwargs: dict, regime, plan: Plan | None,
+                    options: Options) -> Captured:
+    """The model captured at the plan's microbatch (without a plan: at the whole batch), in rank 0's order, every
+    rank agreeing on it, the plan and the options; a model that returns no loss is refused, on every rank alike."""
+    inputs = (args, kwargs) if plan is None or plan.pipeline is None else \
+        microbatch_of(args, kwargs, plan.pipeline.microbatches)
+    captured = capture_for(model, *inputs, regime)
+    loss_dtype(captured)
+    follow_rank0_order(captured)
+    plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()
+    check_agreement({**program_facts(captured), "plan": plan_fact, "options": options.describe()})
+    return captured
 
-    return run() if program.units is None else program.units.run(run)
+
+def _microbatch_shapes(args: tuple, kwargs: dict, microbatches: int) -> list:
+    return [tuple(x.shape) for x in pytree.tree_leaves(microbatch_of(args, kwargs, microbatches))
+            if isinstance(x, torch.Tensor)]
+
+
+def _call(model: torch.nn.Module, program: Program, received: bool, flat: list) -> tuple:
+    """A stage program's outputs for the flat inputs the stage receives: the first stage's whole inputs, sliced
+    here; the others' (`received`) shards, as the stage before sent them."""
+    return program.run(*program_feeds(model, program, flat, local_inputs=received))
 
 
 def _stage_program(model, program, plan: Plan, rank: RankView, stage_dm, regime, options: Options,
-                   compile: bool | str) -> Program:
-    """One stage's Program on this rank: FSDP's units over its weights, its rewritten graph, compiled."""
+                   compile: bool | str) -> tuple[StageModule, Program]:
+    """One stage on this rank: its module (holding its weights; under FSDP, the root of its units), and its
+    Program (its rewritten graph, compiled, run through the units)."""
     captured = program.captured
-    units = shard_in_units(model, captured, stage_dm, regime)
     first = program.index == 0
+    module = StageModule(first=first)
+    units = shard_in_units(model, captured, stage_dm, regime, stage=module)
+    if units is None:
+        module.hold({ph: model.get_parameter(fqn) for ph, fqn in captured.params.items()})
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values)
                                if (value_carries_grad(v) if first else v.is_floating_point()))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)
     split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
-    return Program(captured, plan, rank, gm, runnable(split, pieces, units, compile), regime.precision, None, units)
+    built = Program(captured, plan, rank, gm, runnable(split, pieces, units, compile), regime.precision, None, units)
+    module.call = functools.partial(_call, model, built, not first)
+    return module, built
 
 
 def _metas(program: Program, index: int, args: tuple, microbatches: int) -> tuple[tuple, tuple]:

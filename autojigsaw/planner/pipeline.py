@@ -137,7 +137,7 @@ def schedule_choices(choice: PipelineChoice, ranks: int, layers: int, microbatch
     imposed = choice.schedule is not None
     out = []
     for name in [choice.schedule] if imposed else DEFAULT_SCHEDULES:
-        for virtual in _virtual_choices(name, choice.virtual_stages, ranks, layers):
+        for virtual in _virtual_choices(name, choice.virtual_stages, ranks, layers, imposed_schedule=imposed):
             try:
                 rank_orders(name, ranks, virtual, microbatches)
             except ValueError as e:
@@ -153,9 +153,16 @@ def schedule_choices(choice: PipelineChoice, ranks: int, layers: int, microbatch
     return out
 
 
-def _virtual_choices(schedule: str, imposed: int | None, ranks: int, layers: int) -> list[int]:
-    """Virtual stages per rank a schedule takes (one for GPipe and 1F1B, two for the V of zero-bubble)."""
+def _virtual_choices(schedule: str, imposed: int | None, ranks: int, layers: int, *, imposed_schedule: bool = False
+                     ) -> list[int]:
+    """Virtual stages per rank a schedule takes (one for GPipe and 1F1B, two for the V of zero-bubble); a schedule
+    the user imposed that needs more stages than the model has layers is a ValueError."""
     fixed = 1 if schedule in SINGLE else 2 if schedule in V_SHAPED else None
+    least = fixed or 2
+    if imposed is None and imposed_schedule and ranks <= layers < ranks * least:
+        raise ValueError(f"pipeline_schedule={schedule!r} runs {least}{'' if fixed else ' or more'} stages per pipe "
+                         f"rank, {ranks * least} stages on {ranks} pipe ranks, but the model has {layers} repeated "
+                         "layers to cut between: choose '1F1B' or 'gpipe', or a smaller pipe axis")
     if imposed is not None:
         if isinstance(imposed, bool) or not isinstance(imposed, int) or imposed < 1:
             raise ValueError(f"virtual_stages={imposed!r}: give a positive number of stages per pipe rank")

@@ -31,13 +31,25 @@ from ..modules import fsdp_shards, layer_units
 from ..training import Regime, data_axes
 
 
-class _Holder(nn.Module):
-    """The weights of one FSDP unit, named by their graph placeholders; it runs the piece that reads them."""
+class WeightHolder(nn.Module):
+    """A module holding weights under their graph placeholders' names (an FSDP unit, or a pipeline stage)."""
+
+    def hold(self, params: dict[str, nn.Parameter]) -> None:
+        for name, p in params.items():
+            self.register_parameter(name, p)
+
+    def local(self, placeholder: str) -> torch.Tensor:
+        """This rank's tensor of a weight (gathered while FSDP runs this unit)."""
+        p = getattr(self, placeholder)
+        return p.to_local() if isinstance(p, DTensor) else p
+
+
+class _Holder(WeightHolder):
+    """The weights of one FSDP unit; it runs the piece that reads them."""
 
     def __init__(self, params: dict[str, nn.Parameter]):
         super().__init__()
-        for name, p in params.items():
-            self.register_parameter(name, p)
+        self.hold(params)
 
     def forward(self, run: Callable, slots: dict[int, str], *args):
         """run(*args) with args[k] this rank's gathered weight `slots[k]`."""
@@ -45,11 +57,6 @@ class _Holder(nn.Module):
         for k, name in slots.items():
             args[k] = self.local(name)
         return run(*args)
-
-    def local(self, placeholder: str) -> torch.Tensor:
-        """This rank's tensor of a weight (gathered while FSDP runs this unit)."""
-        p = getattr(self, placeholder)
-        return p.to_local() if isinstance(p, DTensor) else p
 
 
 class _InUnit(nn.Module):
@@ -71,7 +78,7 @@ class _InUnit(nn.Module):
 class FsdpUnits:
     """The FSDP units of a model's weights: placeholder -> layer for the layers' own, the root for the rest."""
 
-    root: _Holder
+    root: WeightHolder
     layer_of: dict[str, str]
     units: dict[str, _Holder]
 
@@ -88,7 +95,8 @@ class FsdpUnits:
         self.root.set_requires_gradient_sync(sync)
 
     def run(self, program: Callable[[], object]):
-        """program() within the root unit: its weights gathered, the layers' units inside it."""
+        """program() within the root unit: its weights gathered, the layers' units inside it (a pipeline stage,
+        the root itself, runs its program in its own forward instead)."""
         return self.root(program, {})
 
     def wrap(self, split: GraphModule, pieces: dict[str, str], runs: dict[str, nn.Module]) -> None:
@@ -117,37 +125,38 @@ class FsdpUnits:
                                        f"is read outside its layer, by {outside}; please report it")
 
 
-def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Regime) -> FsdpUnits | None:
+def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Regime, *,
+                   stage: WeightHolder | None = None) -> FsdpUnits | None:
     """`fully_shard` the model's weights over the data axis in per-layer units with the run's mixed precision;
-    None without FSDP or a data axis. Call it once, after the weights are placed and before the optimizer is made."""
+    None without FSDP or a data axis. Call it once, after the weights are placed and before the optimizer is made.
+
+    `stage`: a pipeline stage's module, made the root unit (PyTorch's PipelineStage then keeps its weights
+    gathered and their gradients unsharded until its last microbatch, and reduce-scatters once); its units
+    keep their weights gathered after forward (reshard_after_forward=False, as torchtitan does under pipelining).
+    The model holds only this stage's weights (and other stages' that FSDP units hold already)."""
     axes = data_axes(MeshSpec.of(device_mesh))
     if not regime.fsdp or not axes or device_mesh.mesh.shape[axes[0]] == 1:
         return None
     axis = device_mesh.mesh_dim_names[axes[0]]
     _check_one_dtype(model, axis)
     layer_of = layer_units(list(captured.gm.graph.nodes), captured.params)
-    by_unit: dict[str | None, dict[str, nn.Parameter]] = {}
-    placed = set()
-    for placeholder, fqn in captured.params.items():
-        p = model.get_parameter(fqn)
-        placed.add(id(p))
-        if fsdp_shards(p):
-            by_unit.setdefault(layer_of.get(placeholder), {})[placeholder] = p
-    rest = {f"unused_{k}": p for k, (fqn, p) in enumerate(model.named_parameters())
-            if id(p) not in placed and fsdp_shards(p)}
-    by_unit.setdefault(None, {}).update(rest)
+    by_unit, whole = _unit_params(model, captured, layer_of, rest=stage is None)
     units = {layer: _Holder(params) for layer, params in by_unit.items() if layer is not None}
-    root = _Holder(by_unit[None])
+    root = _Holder(by_unit[None]) if stage is None else stage
+    if stage is not None:
+        stage.hold({**by_unit[None], **whole})  # FSDP leaves the whole ones (scalars) to the graph's sums
     root.units = nn.ModuleList(units.values())
     precision = regime.precision
     policy = MixedPrecisionPolicy(param_dtype=precision.param_dtype if precision.mixed else None,
                                   reduce_dtype=precision.reduce_dtype if precision.mixed else None,
                                   cast_forward_inputs=False)
-    old = {id(p): (holder, name) for holder in (root, *units.values()) for name, p in holder._parameters.items()}
+    old = {id(p): (holder, name) for holder in (root, *units.values()) for name, p in holder._parameters.items()
+           if name not in whole}
     with torch.inference_mode(False):  # shards made under inference_mode could never train
         for holder in (*units.values(), root):  # children first: the root keeps what they leave
             fully_shard(holder, mesh=device_mesh, dp_mesh_dims=DataParallelMeshDims(shard=axis),
-                        reshard_after_forward=True, mp_policy=policy)
+                        reshard_after_forward=stage is None, mp_policy=policy,
+                        ignored_params=set(whole.values()) if holder is root else None)
             # FSDP2 makes its gathered weights' buffers at the first gather: in a first forward under
             # inference_mode (a check before training) they would be inference tensors, and every later
             # step fails. One gather now (as much memory as the unit's weights) makes them normal ones.
@@ -161,6 +170,25 @@ def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Re
                 holder, key = old[id(p)]
                 module._parameters[name] = holder._parameters[key]
     return FsdpUnits(root, layer_of, units)
+
+
+def _unit_params(model: nn.Module, captured: Captured, layer_of: dict[str, str], *, rest: bool) -> tuple[dict, dict]:
+    """The weights FSDP shards, by unit (a layer, None: the root's) and named by placeholder, and those it
+    leaves whole (scalars); `rest`: the model's weights the program does not read join the root."""
+    by_unit: dict[str | None, dict[str, nn.Parameter]] = {None: {}}
+    whole: dict[str, nn.Parameter] = {}
+    placed = set()
+    for placeholder, fqn in captured.params.items():
+        p = model.get_parameter(fqn)
+        placed.add(id(p))
+        if fsdp_shards(p):
+            by_unit.setdefault(layer_of.get(placeholder), {})[placeholder] = p
+        else:
+            whole[placeholder] = p
+    if rest:
+        by_unit[None].update({f"unused_{k}": p for k, (fqn, p) in enumerate(model.named_parameters())
+                              if id(p) not in placed and fsdp_shards(p)})
+    return by_unit, whole
 
 
 def _check_one_dtype(module: torch.nn.Module, axis: str) -> None:

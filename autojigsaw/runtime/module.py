@@ -117,13 +117,14 @@ class ParallelModule(nn.Module):
             return self._pipeline.step(args, kwargs)
         microbatches = self.plan.microbatches if self.plan is not None else 1
         chunks = split_microbatches(args, kwargs, microbatches)
-        total = torch.zeros(())
+        total = None
         for k, (a, kw) in enumerate(chunks):
             if self._units is not None:
                 self._units.sync_gradients(k == len(chunks) - 1)
             loss = loss_of(self(*a, **kw)) / len(chunks)
             loss.backward()
-            total = total + loss.detach().float()
+            part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+            total = part if total is None else total + part
         if self.plan.sums_once and self.plan.data_parallel == "ddp":  # DDP's sum, once the microbatches are in
             data = self.mesh.axis_names[data_axes(self.mesh)[0]]
             sum_gradients(list(self.parameters()), self.device_mesh.get_group(data))

@@ -4,8 +4,9 @@ Every stage this rank runs is a Program (its cut of the captured program, rewrit
 the other axes), wrapped in a `StageModule` and a `PipelineStage` of torch.distributed.pipelining
 that is told the local shapes of what the stage receives and sends (static metadata: a stage never
 runs on made-up inputs). `PipelineRun.step` steps PyTorch's schedule class: it splits the whole
-batch into microbatches, averages their gradients (scale_grads) and keeps the last stage's losses,
-whose mean goes to every rank of the pipe axis. A weight that stages on two pipe ranks read (a tied
+batch into microbatches and keeps the last stage's losses, each divided by the number of microbatches
+(so that the gradients sum to the whole batch's mean, as gradient accumulation does), whose sum goes
+to every rank of the pipe axis. A weight that stages on two pipe ranks read (a tied
 embedding and head) has its gradient summed over the pipe axis after the schedule.
 """
 
@@ -25,7 +26,8 @@ from torch.utils import _pytree as pytree
 from ..mesh import MeshSpec
 from ..placements import local_shape
 from ..plan import Pipeline
-from ..training import pipe_axis
+from ..training import Regime, data_axes, pipe_axis
+from .fsdp import WeightHolder
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -40,16 +42,16 @@ class _ContiguousGradient(torch.autograd.Function):
         return g.contiguous()
 
 
-class StageModule(nn.Module):
+class StageModule(WeightHolder):
     """One stage's program as a PipelineStage runs it: it takes what the stage before sends (the first stage: the
-    model's whole inputs) and returns what it sends on, contiguous. `call(flat)` runs the program on them;
-    `weights` are the parameters it reads (zero-bubble schedules run their gradients apart)."""
+    model's whole inputs) and returns what it sends on, contiguous. It holds the weights the stage reads, under
+    their placeholders' names (zero-bubble schedules run their gradients apart); under FSDP it is the stage's root
+    unit, its layers' units its children. `call(flat)`, set once the program is built, runs it."""
 
-    def __init__(self, call: Callable[[list], tuple], weights: Sequence[nn.Parameter], first: bool):
+    def __init__(self, *, first: bool):
         super().__init__()
-        self.call, self.first = call, first
-        for k, p in enumerate(weights):
-            self.register_parameter(f"w{k}", p)
+        self.first = first
+        self.call: Callable[[list], tuple] | None = None
 
     def forward(self, *args, **kwargs):
         flat = pytree.tree_leaves((args, kwargs)) if self.first else list(args)
@@ -79,6 +81,9 @@ class PipelineRun:
     # per weight read on several pipe ranks: its name here (None: this rank holds none), local shape and dtype
     tied: tuple[tuple[str | None, tuple[int, ...], torch.dtype], ...] = ()
     programs: tuple = ()  # this rank's stages' Programs
+    loss_dtype: torch.dtype = torch.float32  # of the mean loss every rank returns (the model's, at least fp32)
+    input_shapes: tuple = ()  # of the example's tensor inputs, whole: the stages' shapes are fixed at build
+    stages: tuple = ()  # this rank's PipelineStages
     data_group: dist.ProcessGroup | None = None  # DDP's data axis, whose gradient sum runs after the schedule
 
     @property
@@ -92,19 +97,34 @@ class PipelineRun:
     def step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """Forward and backward of every microbatch; the mean loss, on every rank."""
         m = self.pipeline.microbatches
+        self._check_inputs(args, kwargs)
         losses: list[torch.Tensor] = []
         target = torch.zeros(m) if self.has_last else None  # one per microbatch: the loss is the model's own
         if self.has_first:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
             self.schedule.step(target=target, losses=losses, return_outputs=False)
-        loss = (torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(()))
+        loss = (torch.stack([x.detach().to(self.loss_dtype) for x in losses]).sum() if losses
+                else torch.zeros((), dtype=self.loss_dtype))
         last = self.pipeline.stages[-1].rank
         dist.broadcast(loss, src=dist.get_global_rank(self.group, last), group=self.group)
         self._sum_tied_gradients()
         if self.data_group is not None:
             sum_gradients([p for p in self.model.parameters()], self.data_group)
         return loss
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Inputs shaped as the example's, checked on every rank before any stage runs (a stage that refused them
+        alone would leave the others waiting for what it sends)."""
+        m = self.pipeline.microbatches
+        if batch_size(args, kwargs) % m:
+            split_microbatches(args, kwargs, m)  # its ValueError names the batch and the microbatches
+        shapes = tensor_shapes(args, kwargs)
+        if shapes != self.input_shapes:
+            raise ValueError(f"the pipeline's stages were built for inputs of shapes {list(self.input_shapes)} "
+                             f"({m} microbatches of {self.input_shapes[0][0] // m} rows), got {list(shapes)}: pass "
+                             "inputs shaped like the example inputs, or parallelize again with example inputs of "
+                             "these shapes")
 
     def _sum_tied_gradients(self) -> None:
         """A weight read on several pipe ranks: each holds a copy whose gradient is its stages' share; sum them
@@ -115,15 +135,45 @@ class PipelineRun:
             dist.all_reduce(local if local is not None else torch.zeros(shape, dtype=dtype), group=self.group)
 
 
+_STAGE_MESHES: dict = {}  # DeviceMesh -> its stage mesh, one object (FSDP and DTensor's caches compare meshes by identity)
+
+
 def stage_device_mesh(device_mesh, mesh: MeshSpec):
     """The DeviceMesh a stage's weights are DTensors on: the mesh without its pipe axis; a 1-rank mesh (the pipe
-    axis split off as a size-1 'tensor' axis, made by every rank) when there is no other axis."""
+    axis split off as a size-1 'tensor' axis, made by every rank) when there is no other axis. One per mesh."""
+    if device_mesh in _STAGE_MESHES:
+        return _STAGE_MESHES[device_mesh]
     axis = pipe_axis(mesh)
     names = tuple(n for a, n in enumerate(mesh.axis_names) if a != axis)
     if names:
-        return device_mesh[names if len(names) > 1 else names[0]]
-    flat = device_mesh.mesh.reshape(-1, 1)
-    return DeviceMesh(device_mesh.device_type, flat, mesh_dim_names=(mesh.axis_names[axis], "tensor"))["tensor"]
+        stage = device_mesh[names if len(names) > 1 else names[0]]
+    else:
+        flat = device_mesh.mesh.reshape(-1, 1)
+        stage = DeviceMesh(device_mesh.device_type, flat, mesh_dim_names=(mesh.axis_names[axis], "tensor"))["tensor"]
+    return _STAGE_MESHES.setdefault(device_mesh, stage)
+
+
+def refuse_fsdp_in_two_stages(pipeline: Pipeline, stage_weights: Sequence[set[str]], regime: Regime,
+                              sub: MeshSpec) -> None:
+    """FSDP shards a weight in one unit: a weight that two stages of one pipe rank read (a tied embedding and head
+    at the two ends of zero-bubble's V) cannot be in both stages' units. `stage_weights`: the FQNs each stage
+    reads. Checked for every rank, on every rank (all refuse alike)."""
+    axes = data_axes(sub)
+    if not regime.fsdp or not axes or sub.sizes[axes[0]] == 1:
+        return
+    for r in range(pipeline.ranks):
+        readers: dict[str, list[int]] = {}
+        for st in pipeline.stages_of(r):
+            for fqn in stage_weights[st.index]:
+                readers.setdefault(fqn, []).append(st.index)
+        shared = sorted((fqn, idx) for fqn, idx in readers.items() if len(idx) > 1)
+        if shared:
+            fqn, idx = shared[0]
+            raise ValueError(f"weight {fqn!r} is read by stages {idx}, which pipe rank {r} both runs under "
+                             f"{pipeline.schedule!r}, and FSDP (data_parallel='fsdp' on axis "
+                             f"{sub.axis_names[axes[0]]!r}) shards a weight in one stage's units only: choose a "
+                             "schedule that puts those stages on different pipe ranks ('1F1B', 'gpipe' or "
+                             "'interleaved'), or data_parallel='ddp'")
 
 
 def drop_parameters(model: nn.Module, keep: set[str]) -> None:
@@ -141,13 +191,23 @@ def make_stage(module: StageModule, index: int, count: int, device: torch.device
     return PipelineStage(module, index, count, device, input_args=inputs, output_args=outputs, group=group)
 
 
-def loss_reader(out_spec) -> Callable[[tuple, object], torch.Tensor]:
-    """The schedule's loss_fn: the model's own loss, read off the last stage's outputs."""
+def loss_reader(out_spec, microbatches: int) -> Callable[[tuple, object], torch.Tensor]:
+    """The schedule's loss_fn: the model's own loss, read off the last stage's outputs, over `microbatches`: the
+    gradients sum to the whole batch's mean (the schedule scales none; a weight that two stages of a rank read
+    would be scaled twice)."""
 
     def loss_fn(output, target):
-        return loss_of(pytree.tree_unflatten(list(output), out_spec))
+        return loss_of(pytree.tree_unflatten(list(output), out_spec)) / microbatches
 
     return loss_fn
+
+
+def loss_dtype(captured) -> torch.dtype:
+    """The dtype a step's mean loss comes back in: the loss's own, at least fp32; a ValueError, on every rank,
+    when the model returns no loss."""
+    outputs = [a.meta["val"] if hasattr(a, "meta") else a for a in captured.gm.graph.output_node().args[0]]
+    loss = loss_of(pytree.tree_unflatten(outputs[len(captured.mutated_buffers):], captured.out_spec))
+    return torch.promote_types(loss.dtype, torch.float32)
 
 
 def loss_of(output) -> torch.Tensor:
@@ -171,6 +231,11 @@ def batch_size(args: tuple, kwargs: dict) -> int:
         if isinstance(x, torch.Tensor) and x.ndim > 0:
             return x.shape[0]
     raise ValueError("microbatches split the inputs along their first dim, and the model takes no tensor with one")
+
+
+def tensor_shapes(args: tuple, kwargs: dict) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the tensor inputs, in order."""
+    return tuple(tuple(x.shape) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
 
 
 def split_microbatches(args: tuple, kwargs: dict, microbatches: int) -> list[tuple[tuple, dict]]:
