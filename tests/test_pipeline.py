@@ -22,7 +22,6 @@ import re
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
