@@ -61,6 +61,9 @@ class Options:
     - `virtual_stages`: pipeline stages per pipe rank (interleaved schedules); None: chosen.
     - `gpus_per_node`: ranks per node, which decide the links each mesh axis crosses (and, given a number
       of GPUs for the mesh, bound the tensor axis); None: the device spec's (8 for the GPU specs).
+    - `moe_imbalance`: the routing routed experts (mixture of experts) are priced at, as the busiest
+      rank's routed tokens over the mean: 1.0 balanced; the expert group's size, every token to one
+      rank's experts. Their all-to-alls and grouped GEMMs are priced, and their bytes stated, at that rank.
     - `solver`: called as `autojigsaw.planner.solve(problem, budget, **kw)` is, in its place (None: that,
       HiGHS with 300 s per solve), e.g. `functools.partial(autojigsaw.planner.solve, time_limit=60)`.
 
@@ -85,6 +88,7 @@ class Options:
     microbatches: int | None = None
     virtual_stages: int | None = None
     gpus_per_node: int | None = None
+    moe_imbalance: float = 1.0
     solver: Callable[..., Solution | None] | None = None
 
     def __post_init__(self):
@@ -99,6 +103,7 @@ class Options:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r}: give a positive int, or None to let the planner choose")
+        check_imbalance(self.moe_imbalance)
         if self.tie_layers is not None and not isinstance(self.tie_layers, bool):
             raise ValueError(f"tie_layers={self.tie_layers!r}: give True, False or None (tie repeated layers only "
                              "in big problems)")
@@ -137,3 +142,10 @@ class Options:
         return repr(dataclasses.replace(
             self, device=self.device.name if isinstance(self.device, DeviceSpec) else self.device,
             solver=None if solver is None else getattr(solver, "__qualname__", type(solver).__qualname__)))
+
+
+def check_imbalance(value) -> None:
+    """moe_imbalance is the busiest rank's routed tokens over the mean: a real number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1 <= value < float("inf"):
+        raise ValueError(f"moe_imbalance={value!r}: give the busiest rank's routed tokens over the mean, a number "
+                         ">= 1 (1.0: balanced routing; the expert group's size: every token to one rank's experts)")

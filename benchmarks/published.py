@@ -10,7 +10,8 @@ whole mesh (a 128-GPU FSDP run on 128 ranks). Predicted and published side by si
   tokens/s per GPU = global batch x seq / plan.step_time / GPUs
   MFU = tokens/s per GPU x (6 N + 12 L d s) / bf16 peak (PaLM, arXiv 2204.02311, appendix B;
         torchtitan's get_num_flop_per_token): N the parameters in matmuls (the input embedding
-        left out unless tied), L layers, d width, s sequence. The "published" MFU is this formula
+        left out unless tied; of routed experts, the top-k of each token's share), L layers, d
+        width, s sequence. The "published" MFU is this formula
         on the published tokens/s; the source's own figure is listed with the sources.
 
 --tiny shrinks every model to two layers of width 64 (what the smoke test runs).
@@ -40,16 +41,17 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 _TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 256}
 _TINY_GPT = {"n_embd": 64, "n_inner": 256, "n_layer": 2, "n_head": 4, "vocab_size": 256}
+_TINY_MOE = {**_TINY_LLAMA, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
 _NO_BUDGET = 1e15  # bytes: what a fallback plans under when the run's budget can't hold it
 
 
 def tiny(run: PublishedRun) -> PublishedRun:
     """The same run on a two-layer, 64-wide model, 64 tokens per sequence, at most 8 per data rank."""
-    shrink = _TINY_LLAMA if run.family == "llama" else _TINY_GPT
+    shrink = {"llama": _TINY_LLAMA, "qwen3_moe": _TINY_MOE}.get(run.family, _TINY_GPT)
     config = {**run.config, **shrink}
     if run.family == "gpt2":
         config["n_positions"] = 64
-    batch = min(run.global_batch, 2 * run.mesh.get("data", 1))
+    batch = min(run.global_batch, 2 * run.mesh.get("data", 1) * run.accumulation)
     return replace(run, config=config, seq=64, global_batch=batch, memory_budget=None)
 
 
@@ -60,6 +62,8 @@ def build(run: PublishedRun) -> torch.nn.Module:
     with torch.device("meta"):
         if run.family == "llama":
             return tf.LlamaForCausalLM(tf.LlamaConfig(**run.config, use_cache=False))
+        if run.family == "qwen3_moe":
+            return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**run.config, use_cache=False))
         # Dropout off: autojigsaw draws the single-device mask, so an SDPA with dropout runs
         # replicated; the published runs' 0.1 dropout costs them a few percent of elementwise time.
         return tf.GPT2LMHeadModel(tf.GPT2Config(**run.config, use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0,
@@ -81,6 +85,8 @@ def plan_options(run: PublishedRun) -> dict:
         del options["output_placements"]
         options.update(pipeline_schedule=run.schedule, virtual_stages=run.virtual_stages,
                        microbatches=run.global_batch // run.mesh.get("data", 1) // run.microbatch)
+    if run.accumulation > 1:
+        options["microbatches"] = run.accumulation
     if "data" in run.mesh:
         options["data_parallel"] = run.data_parallel
     return options
@@ -109,11 +115,16 @@ class Outcome:
 
 
 def flops_per_token(model: torch.nn.Module, run: PublishedRun) -> float:
-    """6 N + 12 L d s: N the parameters in matmuls (an untied input embedding left out)."""
+    """6 N + 12 L d s: N the parameters in matmuls (an untied input embedding left out; of the routed experts,
+    the share a token's top-k reads)."""
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
     n = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.numel())
     cfg = model.config
+    experts = getattr(cfg, "num_experts", None)
+    if experts:
+        routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+        n -= routed * (1 - cfg.num_experts_per_tok / experts)
     return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * run.seq
 
 

@@ -128,10 +128,11 @@ def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Re
     layer_of = layer_units(list(captured.gm.graph.nodes), captured.params)
     by_unit: dict[str | None, dict[str, nn.Parameter]] = {}
     placed = set()
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
     for placeholder, fqn in captured.params.items():
         p = model.get_parameter(fqn)
         placed.add(id(p))
-        if fsdp_shards(p):
+        if fsdp_shards(nodes[placeholder]):
             by_unit.setdefault(layer_of.get(placeholder), {})[placeholder] = p
     rest = {f"unused_{k}": p for k, (fqn, p) in enumerate(model.named_parameters())
             if id(p) not in placed and fsdp_shards(p)}
