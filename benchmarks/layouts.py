@@ -1,8 +1,10 @@
 """Planning inside a hand-written layout: each node keeps only the strategies the layout allows.
 
 What a published run *ran* is priced by planning with its layout imposed (torchtitan's tensor
-parallelism: every matrix weight stays split over the tensor axis), beside the plan autojigsaw
-would choose; axis_roles.py imposes the roles axis names suggest the same way.
+parallelism: every matrix weight stays split over the tensor axis; Megatron-Core's mixture of
+experts: attention's tokens over data x expert and heads over tensor, the experts over expert x
+tensor), beside the plan autojigsaw would choose; axis_roles.py imposes the roles axis names
+suggest the same way.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.fx import GraphModule, Node
 
 import autojigsaw.api.planning
+from autojigsaw.capture.routed_experts import OP as ROUTED_EXPERTS
+from autojigsaw.cost_model.compute import ATTENTION
 from autojigsaw.ir import STRATEGIES, Strategy, tensor_inputs
+from autojigsaw.modules import EXPERT_WEIGHT
 
 Keep = Callable[[Node, Strategy], bool]
 
@@ -68,6 +73,36 @@ def tensor_parallel(axis: int) -> Callable[[object, GraphModule], Keep]:
                 return False
             return all(src not in weights or isinstance(pl[axis], Shard)
                        for (src, _), pl in zip(tensor_inputs(node), strategy.inputs))
+
+        return keep
+
+    return keep_for
+
+
+def megatron_moe(axes: tuple[str, ...]) -> Callable[[object, GraphModule], Keep]:
+    """Megatron-Core's mixture-of-experts layout on a data x expert x tensor mesh (`axes`, in order):
+    attention's tokens split over data x expert and its heads over tensor, every other matrix weight
+    split over tensor as `tensor_parallel` keeps it and whole over expert (data parallelism there); the
+    routed experts' tokens over all three axes, dispatched by one all-to-all over expert x tensor (EP =
+    expert x tensor, ETP 1), their weights gathered over data as FSDP gathers them."""
+    data, expert, tensor = (axes.index(a) for a in ("data", "expert", "tensor"))
+    split = Shard(0)
+
+    def keep_for(captured, gm: GraphModule) -> Keep:
+        tensor_kept = tensor_parallel(tensor)(captured, gm)
+
+        def keep(node: Node, strategy: Strategy) -> bool:
+            if node.target is ROUTED_EXPERTS:
+                x, w = strategy.inputs[0], strategy.inputs[3]
+                return all(x[a] == split for a in (data, expert, tensor)) and (
+                    w[data] == Replicate() and w[expert] == split and w[tensor] == split)
+            if node.target in ATTENTION:
+                q = strategy.inputs[0]
+                return q[expert] == Shard(0) and q[tensor] == Shard(1)
+            if node.op == "placeholder" and node.name in captured.params and not node.meta.get(EXPERT_WEIGHT):
+                if any(out is not None and out[expert] != Replicate() for out in strategy.outputs):
+                    return False
+            return tensor_kept(node, strategy)
 
         return keep
 

@@ -33,7 +33,7 @@ import autojigsaw
 from autojigsaw.cost_model.devices import GiB, device_spec
 
 from .common import Report
-from .layouts import strategies_filtered, tensor_parallel
+from .layouts import megatron_moe, strategies_filtered, tensor_parallel
 from .published_runs import RUNS, PublishedRun, run_named
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -155,6 +155,8 @@ def plan_run(run: PublishedRun) -> Outcome:
                 plan = planned(_NO_BUDGET)
         if unfiltered:
             notes.append(f"{len(set(unfiltered))} nodes have no strategy in the layout: left free")
+        if (folded := expert_layout(plan)) is not None:
+            notes.append(folded)
         if run.layout != "planned":
             notes.append(own_layout(run, planned))
     except Exception as e:  # noqa: BLE001 - one run that can't be planned must not hide the others
@@ -171,8 +173,27 @@ def own_layout(run: PublishedRun, planned) -> str:
         own = planned(run.memory_budget)
     except ValueError as e:
         return f"autojigsaw's own layout: no plan ({str(e).splitlines()[0][:80]})"
+    folded = expert_layout(own)
     return (f"autojigsaw's own layout: {run.tokens_per_step / own.step_time / run.gpus:,.0f} tok/s/GPU, "
-            f"{own.memory_per_rank / GiB:.1f} GiB")
+            f"{own.memory_per_rank / GiB:.1f} GiB" + (f" ({folded})" if folded else ""))
+
+
+_SPLITS = {0: "batch", 1: "heads", 2: "sequence"}  # attention's query [B, H, S, D]
+
+
+def expert_layout(plan) -> str | None:
+    """Where a plan with routed experts puts them and attention, per mesh axis (None without routed experts)."""
+    routed = [n for n in plan.nodes if n.op == "autojigsaw.routed_experts"]
+    if not routed:
+        return None
+    text = f"experts {'; '.join(sorted({n.note or 'replicated' for n in routed}))}"
+    attention = [n for n in plan.nodes if n.kind == "attention"]
+    if attention:
+        query = attention[0].inputs[0]
+        axes = ", ".join(f"{name}: {_SPLITS.get(getattr(p, 'dim', None), 'whole') if p.is_shard() else 'whole'}"
+                         for name, p in zip(plan.mesh.axis_names, query))
+        text += f"; attention {axes}"
+    return text
 
 
 def layout_imposed(run: PublishedRun, unfiltered: list[str]):
@@ -181,7 +202,10 @@ def layout_imposed(run: PublishedRun, unfiltered: list[str]):
         return contextlib.nullcontext()
     if run.layout == "tensor-parallel":
         return strategies_filtered(tensor_parallel(list(run.mesh).index("tensor")), unfiltered)
-    raise ValueError(f"run {run.name!r}: unknown layout {run.layout!r}; known: 'planned', 'tensor-parallel'")
+    if run.layout == "megatron-moe":
+        return strategies_filtered(megatron_moe(tuple(run.mesh)), unfiltered)
+    raise ValueError(f"run {run.name!r}: unknown layout {run.layout!r}; known: 'planned', 'tensor-parallel', "
+                     "'megatron-moe'")
 
 
 _PARTS = {"matmul": "matmul", "attention": "attention", "softmax": "softmax+norm", "norm": "softmax+norm",

@@ -76,7 +76,8 @@ class PublishedRun:
     memory_budget: float | None = None  # bytes the plan may use per GPU (None: 90 % of the device)
     note: str = ""
     # "planned": the planner chooses the layout; "tensor-parallel": the run's Megatron-style layout is
-    # imposed on the "tensor" axis (its matrix weights split there, never gathered: benchmarks/layouts.py)
+    # imposed on the "tensor" axis (its matrix weights split there, never gathered: benchmarks/layouts.py);
+    # "megatron-moe": Megatron-Core's experts over expert x tensor, attention over data x expert and tensor
     layout: str = "planned"
     # over a "pipe" axis: PyTorch's schedule name, sequences per microbatch, stages per pipe rank
     schedule: str | None = None
@@ -217,12 +218,12 @@ RUNS: tuple[PublishedRun, ...] = (
           ("1t", _GPT_1T, 64, 6, 3072, 1, "1F1B", 1, 163))),
     # Megatron's layout: attention's tokens over data x expert (its DP 128) with heads over tensor (TP 2); the
     # experts over expert x tensor (EP 8 inside a node, ETP 1) with Megatron-FSDP over data (EDP 32); GA 4 of
-    # micro-batch 4 per DP rank. Megatron's names other than data are labels here: the planner lays out freely.
+    # micro-batch 4 per DP rank. Imposed as "megatron-moe" (benchmarks/layouts.py); the notes give the free plan.
     PublishedRun(
         "megatron-qwen3-235b-a22b-tp2-ep8", "qwen3_moe", QWEN3_235B_A22B, gpus=256, device="h100",
         mesh={"data": 32, "expert": 4, "tensor": 2}, global_batch=2048, seq=4096, precision="bf16 mixed",
         recompute="full", data_parallel="fsdp", compiled=False, tokens_per_s_per_gpu=2048 * 4096 / 17.6 / 256,
-        accumulation=4,
+        accumulation=4, layout="megatron-moe",
         source=MOE_ZOO + ", table Performance Results (H100), Intra-node EP strategy, first row: TP 2, EP 8, "
                          "EDP 32, DP 128, FSDP on, MBS 4, GBS 2048, GA 4, full recompute, DeepEP dispatcher, "
                          "17.6 s per step, 276 TFLOP/s per GPU",

@@ -66,31 +66,36 @@ class WithAuxLoss(torch.nn.Module):
         return self.model(input_ids, labels=input_ids).loss
 
 
-def moe_model(name: str, *, experts: int = 8, top_k: int = 2, chosen: tuple[int, ...] | None = None,
-              groups: tuple[int, int] = (4, 2), batch: int = 4, seq: int = 8, dtype=torch.float32,
-              aux_loss: bool = False):
-    """(model, (input_ids,)) in training mode, seeded; `chosen`: the experts every token is routed to
-    (len(chosen) == top_k), None: the model's own routing. `groups`: DeepSeek-V3's (n_group, topk_group).
-    `aux_loss`: the model returns its language-model loss plus the router's load-balancing loss."""
+def moe_model(name: str, *, experts: int = 8, top_k: int = 2, groups: tuple[int, int] = (4, 2), forced: bool = False,
+              batch: int = 4, seq: int = 8, dtype=torch.float32, aux_loss: bool = False):
+    """(model, (input_ids,)) in training mode, seeded. `groups`: DeepSeek-V3's (n_group, topk_group).
+    `forced`: every router takes a bias on its logits (`route` sets it; zero until then: the model's own
+    routing). `aux_loss`: the model returns its language-model loss plus the router's load-balancing loss."""
     torch.manual_seed(0)
     model = _config(name, experts, top_k, groups)
-    if chosen is not None:
-        assert len(chosen) == top_k, (chosen, top_k)
-        bias = torch.zeros(experts)
-        bias[list(chosen)] = FORCE
+    if forced and name != "deepseek_v3":  # DeepSeek-V3's router has its bias (e_score_correction_bias)
         for layer in model.model.layers:
             gate = getattr(layer.mlp, "gate", None)
-            if gate is None or not hasattr(gate, "top_k"):
-                continue
-            if name == "deepseek_v3":
-                gate.e_score_correction_bias.copy_(bias)
-            else:
-                layer.mlp.gate = BiasedRouter(gate, bias)
+            if gate is not None and hasattr(gate, "top_k"):
+                layer.mlp.gate = BiasedRouter(gate, torch.zeros(experts))
     ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(1))
     if aux_loss:
         model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.1
         model = WithAuxLoss(model)
     return model.train().to(dtype), (ids,)
+
+
+def route(model: torch.nn.Module, chosen: tuple[int, ...] | None) -> None:
+    """Every token of a `forced` model (or of its ParallelModule) routed to the experts `chosen` (None: its own
+    routing), by the routers' bias buffers, set in place."""
+    biases = [b for fqn, b in model.named_buffers() if fqn.endswith((".gate.bias", ".gate.e_score_correction_bias"))]
+    assert biases, "route() needs a model made with moe_model(..., forced=True)"
+    with torch.no_grad():
+        for bias in biases:
+            bias.zero_()
+            if chosen is not None:
+                assert len(set(chosen)) == len(chosen) <= bias.numel(), (chosen, bias.numel())
+                bias[list(chosen)] = FORCE
 
 
 def routed(model: torch.nn.Module, inputs) -> list[list[int]]:

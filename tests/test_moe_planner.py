@@ -80,6 +80,9 @@ def test_a_busier_busiest_rank_costs_more():
     balanced = planned("qwen3-30b-a3b", (("data", 8),))
     hot = planned("qwen3-30b-a3b", (("data", 8),), 4.0)
     assert hot.moe_imbalance == 4.0 and hot.step_time > balanced.step_time
+    again = autojigsaw.evaluate(autojigsaw.Plan.from_json(hot.to_json()), published("qwen3-30b-a3b"),
+                                (torch.zeros(8, SEQ, dtype=torch.long),), device="h100", mp_policy=BF16)
+    assert again.moe_imbalance == 4.0 and again.step_time == pytest.approx(hot.step_time, rel=1e-9)
     routed = [n for n in hot.nodes if n.op == "autojigsaw.routed_experts"]
     print(f"step {balanced.step_time * 1e3:.2f} ms balanced, {hot.step_time * 1e3:.2f} ms at moe_imbalance=4; "
           f"{routed[0].note}")
