@@ -15,7 +15,10 @@ from collections.abc import Callable
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import GraphModule, Node
 
-import autojigsaw.api.planning
+import autojigsaw.api.building
+import autojigsaw.api.meshes
+import autojigsaw.api.pipelines
+import autojigsaw.api.recipe
 from autojigsaw.capture.routed_experts import OP as ROUTED_EXPERTS
 from autojigsaw.cost_model.compute import ATTENTION
 from autojigsaw.ir import STRATEGIES, Strategy, tensor_inputs
@@ -24,11 +27,15 @@ from autojigsaw.modules import EXPERT_WEIGHT
 Keep = Callable[[Node, Strategy], bool]
 
 
+# the modules that call autojigsaw.api.recipe.plan_captured by the name they imported
+_CALLERS = (autojigsaw.api.building, autojigsaw.api.meshes, autojigsaw.api.pipelines)
+
+
 @contextlib.contextmanager
 def strategies_filtered(keep_for: Callable[[object, GraphModule], Keep], unfiltered: list[str] | None = None):
     """While planning: each node keeps the strategies keep_for(captured, gm) accepts; a node with
     none accepted keeps all of its own (its name goes to `unfiltered`)."""
-    plan_captured, annotate = autojigsaw.api.planning.plan_captured, autojigsaw.api.planning.annotate
+    plan_captured, annotate = autojigsaw.api.recipe.plan_captured, autojigsaw.api.recipe.annotate
 
     def planned(captured, *args, **kwargs):
         def annotated(gm, *a, **k):
@@ -41,17 +48,19 @@ def strategies_filtered(keep_for: Callable[[object, GraphModule], Keep], unfilte
                 elif STRATEGIES in node.meta and unfiltered is not None:
                     unfiltered.append(node.name)
 
-        autojigsaw.api.planning.annotate = annotated
+        autojigsaw.api.recipe.annotate = annotated
         try:
             return plan_captured(captured, *args, **kwargs)
         finally:
-            autojigsaw.api.planning.annotate = annotate
+            autojigsaw.api.recipe.annotate = annotate
 
-    autojigsaw.api.planning.plan_captured = planned
+    for module in _CALLERS:
+        module.plan_captured = planned
     try:
         yield
     finally:
-        autojigsaw.api.planning.plan_captured = plan_captured
+        for module in _CALLERS:
+            module.plan_captured = plan_captured
 
 
 def tensor_parallel(axis: int) -> Callable[[object, GraphModule], Keep]:
