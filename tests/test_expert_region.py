@@ -143,3 +143,12 @@ def test_a_plan_edited_to_split_the_experts_otherwise_is_refused_by_name():
     captured = capture_for(model, inputs, {}, Regime())
     with pytest.raises(ValueError, match=r"node 'routed_experts': routed experts split the tokens .* on dim 0 only"):
         rewrite(captured, bad, RankView.planning(bad.mesh))
+
+
+def test_fewer_experts_than_data_ranks_stay_whole_over_the_data_axis():
+    """4 experts on data=8: their weights cannot be stored split there (8 ranks, 4 experts), so they stay whole."""
+    model, inputs = moe_model("mixtral", experts=4, batch=8)
+    plan = autojigsaw.plan(model, inputs, {"data": 8}, device="cpu")
+    experts = {fqn: p for fqn, p in plan.param_placements.items() if ".experts." in fqn}
+    assert experts and all(p == (Replicate(),) for p in experts.values()), experts
+    assert all(n.note != "data: token dispatch" for n in plan.nodes if n.op == "autojigsaw.routed_experts")

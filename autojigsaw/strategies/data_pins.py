@@ -7,7 +7,8 @@ pass all-reduces their gradients over it (activations are sharded there), as DDP
 `fully_shard` can shard them over it afterwards (see ParallelModule). One exception: the weights
 of routed experts (modules.EXPERT_WEIGHT) are split over it by their experts (dim 0), which a
 token dispatch over the data axis uses where they are (expert parallelism on ranks borrowed from
-the data, as torchtitan's) and any other strategy gathers; FSDP leaves them.
+the data, as torchtitan's) and any other strategy gathers; FSDP leaves them. Fewer experts than
+data ranks stay whole over the data axes, summed there as under DDP.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def data_pins(captured: Captured, mesh: MeshSpec, fixed: dict[str, Placements]) 
             continue
         pin = list(fixed.get(name, (None,) * mesh.ndim))
         batched = name in inputs and val.ndim and val.shape[0] == batch
-        experts = placeholders[name].meta.get(EXPERT_WEIGHT, False)
+        # fewer experts than data ranks: kept whole there (FSDP leaves them too; the graph sums their gradients)
+        experts = placeholders[name].meta.get(EXPERT_WEIGHT, False) and val.shape[0] >= ranks
         for a in axes:
             if pin[a] is None:
                 pin[a] = Shard(0) if batched or experts else Replicate()
