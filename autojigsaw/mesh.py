@@ -6,7 +6,7 @@ import functools
 import math
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -105,6 +105,7 @@ class RankView:
     mesh: MeshSpec
     coord: tuple[int, ...]
     groups: tuple[str | None, ...]  # None: planning only, the graph is never run
+    device_mesh: object = field(default=None, compare=False, repr=False)  # the live DeviceMesh (None: planning)
 
     @classmethod
     def planning(cls, mesh: MeshSpec) -> RankView:
@@ -115,10 +116,24 @@ class RankView:
     def of(cls, device_mesh, mesh: MeshSpec) -> RankView:
         """This process's place in a live DeviceMesh."""
         groups = tuple(device_mesh.get_group(a).group_name for a in mesh.axis_names)
-        return cls(mesh, tuple(device_mesh.get_coordinate()), groups)
+        return cls(mesh, tuple(device_mesh.get_coordinate()), groups, device_mesh)
 
     def axis(self, a: int) -> MeshAxis:
         return MeshAxis(self.mesh.axis_names[a], self.mesh.sizes[a], self.groups[a], self.coord[a])
+
+    def axes(self, axes: tuple[int, ...]) -> MeshAxis:
+        """Several mesh axes as one, their ranks in row-major order (the first outermost): the group of
+        the DeviceMesh's flattened axes, made once by every rank (DeviceMesh._flatten caches it)."""
+        if len(axes) == 1:
+            return self.axis(axes[0])
+        names = tuple(self.mesh.axis_names[a] for a in axes)
+        coord = 0
+        for a in axes:
+            coord = coord * self.mesh.sizes[a] + self.coord[a]
+        group = None
+        if self.device_mesh is not None:
+            group = self.device_mesh[names]._flatten("+".join(names)).get_group().group_name
+        return MeshAxis("+".join(names), math.prod(self.mesh.sizes[a] for a in axes), group, coord)
 
     @property
     def fake_device_mesh(self):

@@ -8,6 +8,8 @@ from collections.abc import Iterable
 
 from torch.fx import Node
 
+EXPERT_WEIGHT = "autojigsaw_expert_weight"  # placeholder meta: a parameter only routed experts read (their dim 0)
+
 _INDEX = re.compile(r"\[(\d+)\]")
 _DOT = re.compile(r"\.(?![^{}]*\})")  # a dot between names, not one inside a layer range ("{0..3}")
 _LAYER_INDEX = re.compile(r"\d+|\{.*\}")  # "3", "{0..3}", "{i}"
@@ -40,9 +42,21 @@ def layer_path(node: Node, params: dict[str, str]) -> str | None:
 
 
 def fsdp_shards(value) -> bool:
-    """Whether FSDP2 shards a parameter, along its dim 0: a scalar (CLIP's logit_scale) has none, so it stays
-    whole on the data axis and the graph sums its gradient over it, as under DDP."""
+    """Whether FSDP2 shards a parameter (its value, or its graph placeholder), along its dim 0: a scalar
+    (CLIP's logit_scale) has none, so it stays whole on the data axis and the graph sums its gradient over it,
+    as under DDP; routed experts' weights are split over the data axis by the plan (strategies/data_pins.py)."""
+    if isinstance(value, Node):
+        if value.meta.get(EXPERT_WEIGHT):
+            return False
+        value = value.meta.get("val")
     return getattr(value, "ndim", 0) > 0
+
+
+def data_sums(placeholder: Node, *, fsdp: bool) -> bool:
+    """Whether the data axis sums a parameter's gradient outside the graph when it sums once per step (FSDP's
+    reduce-scatter; DDP's all-reduce after accumulated microbatches): not routed experts' weights, which it
+    splits (each rank's experts get their own gradients), nor, under FSDP, one it leaves whole (the graph's)."""
+    return not placeholder.meta.get(EXPERT_WEIGHT) and (fsdp_shards(placeholder) or not fsdp)
 
 
 def layer_units(nodes: list[Node], params: dict[str, str]) -> dict[str, str]:
@@ -55,7 +69,7 @@ def layer_units(nodes: list[Node], params: dict[str, str]) -> dict[str, str]:
     whole = {key for key in stretches if key is not None and stretches.count(key) == 1}
     units = {}
     for node in nodes:
-        if node.op == "placeholder" and node.name in params and node.users and fsdp_shards(node.meta.get("val")):
+        if node.op == "placeholder" and node.name in params and node.users and fsdp_shards(node):
             readers = {layer.get(user) for user in node.users}
             if len(readers) == 1 and readers <= whole:
                 units[node.name] = readers.pop()

@@ -77,6 +77,9 @@ class Options:
     - `mip_gap`: the solve ends at a plan proven within this relative gap of the fastest plan (0.01: within
       1 %, the cost model's own error is several times that; 0: proven optimal). `plan.stats.gap` and the
       summary line say what was proven ("optimal", "within 0.4 % of optimal").
+    - `moe_imbalance`: the routing routed experts (mixture of experts) are priced at, as the busiest
+      rank's routed tokens over the mean: 1.0 balanced; the expert group's size, every token to one
+      rank's experts. Their all-to-alls and grouped GEMMs are priced, and their bytes stated, at that rank.
     - `solver`: called as `autojigsaw.planner.solve(problem, budget, **kw)` is, in its place (None: that,
       HiGHS with 300 s per solve), e.g. `functools.partial(autojigsaw.planner.solve, time_limit=60)`.
 
@@ -104,6 +107,7 @@ class Options:
     constraints: Mapping[str, Any] | None = None
     constraints_axis: str | None = None
     mip_gap: float = DEFAULT_MIP_GAP
+    moe_imbalance: float = 1.0
     solver: Callable[..., Solution | None] | None = None
 
     def __post_init__(self):
@@ -123,6 +127,7 @@ class Options:
         if isinstance(gap, bool) or not isinstance(gap, numbers.Real) or not 0 <= gap < 1:
             raise ValueError(f"mip_gap={gap!r}: give the relative gap to the optimum a plan may be left at, from 0 "
                              "(proven optimal) up to below 1 (0.01: within 1 %)")
+        check_imbalance(self.moe_imbalance)
         if self.tie_layers is not None and not isinstance(self.tie_layers, bool):
             raise ValueError(f"tie_layers={self.tie_layers!r}: give True, False or None (tie repeated layers only "
                              "in big problems)")
@@ -163,3 +168,10 @@ class Options:
                  "solver": None if solver is None else getattr(solver, "__qualname__", type(solver).__qualname__),
                  "constraints": describe_constraints(self.constraints)}
         return f"Options({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
+
+
+def check_imbalance(value) -> None:
+    """moe_imbalance is the busiest rank's routed tokens over the mean: a real number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1 <= value < float("inf"):
+        raise ValueError(f"moe_imbalance={value!r}: give the busiest rank's routed tokens over the mean, a number "
+                         ">= 1 (1.0: balanced routing; the expert group's size: every token to one rank's experts)")

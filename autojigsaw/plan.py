@@ -116,7 +116,8 @@ class Plan:
     and step (gradient accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients
     once per step, outside the graph (FSDP's, DDP's under accumulation); `alternatives`: given a number
     of GPUs for the mesh, the other meshes tried (autojigsaw.plan.MeshChoice); `pipeline`: with a pipe axis, the stages
-    (autojigsaw.plan.Pipeline), each with its plan on the other axes. print() gives the table.
+    (autojigsaw.plan.Pipeline), each with its plan on the other axes; `moe_imbalance`: the routing that
+    routed experts' times and bytes are predicted at (Options.moe_imbalance). print() gives the table.
 
         plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
         open("plan.json", "w").write(plan.to_json())
@@ -144,6 +145,7 @@ class Plan:
     sums_once: bool = False  # the data axis sums the weights' gradients once per step, out of the graph
     alternatives: tuple[MeshChoice, ...] = field(default=(), compare=False)  # the meshes a chosen mesh beat
     pipeline: Pipeline | None = None  # the stages over a pipe axis, each with its plan on the other axes
+    moe_imbalance: float = 1.0  # the routing routed experts are priced at: busiest rank's tokens / mean
 
     def __getstate__(self) -> dict:
         """Plain data only: the planner's explainer stays with the process that planned."""
@@ -341,6 +343,8 @@ class Plan:
             data["microbatches"] = self.microbatches
         if self.sums_once:
             data["sums_once"] = True
+        if self.moe_imbalance != 1.0:
+            data["moe_imbalance"] = self.moe_imbalance
         if self.pipeline is not None:
             pipe = self.pipeline
             data["pipeline"] = {**{k: getattr(pipe, k) for k in ("axis", "schedule", "microbatches", "virtual_stages",
@@ -381,6 +385,6 @@ class Plan:
             step_time=d["step_time"], memory_budget=d["memory_budget"], peak_at=d.get("peak_at", ""),
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
             data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1),
-            sums_once=d.get("sums_once", False), pipeline=pipeline,
+            sums_once=d.get("sums_once", False), pipeline=pipeline, moe_imbalance=d.get("moe_imbalance", 1.0),
         )
 

@@ -10,7 +10,8 @@ whole mesh (a 128-GPU FSDP run on 128 ranks). Predicted and published side by si
   tokens/s per GPU = global batch x seq / plan.step_time / GPUs
   MFU = tokens/s per GPU x (6 N + 12 L d s) / bf16 peak (PaLM, arXiv 2204.02311, appendix B;
         torchtitan's get_num_flop_per_token): N the parameters in matmuls (the input embedding
-        left out unless tied), L layers, d width, s sequence. The "published" MFU is this formula
+        left out unless tied; of routed experts, the top-k of each token's share), L layers, d
+        width, s sequence. The "published" MFU is this formula
         on the published tokens/s; the source's own figure is listed with the sources.
 
 --tiny shrinks every model to two layers of width 64 (what the smoke test runs). --search plans each
@@ -33,7 +34,7 @@ import autojigsaw
 from autojigsaw.cost_model.devices import GiB, device_spec
 
 from .common import Report
-from .layouts import tensor_parallel
+from .layouts import megatron_moe, tensor_parallel
 from .published_runs import RUNS, PublishedRun, run_named
 from .published_search import HEADERS as SEARCH_HEADERS, searched_rows
 
@@ -42,16 +43,17 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 _TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 256}
 _TINY_GPT = {"n_embd": 64, "n_inner": 256, "n_layer": 2, "n_head": 4, "vocab_size": 256}
+_TINY_MOE = {**_TINY_LLAMA, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
 _NO_BUDGET = 1e15  # bytes: what a fallback plans under when the run's budget can't hold it
 
 
 def tiny(run: PublishedRun) -> PublishedRun:
     """The same run on a two-layer, 64-wide model, 64 tokens per sequence, at most 8 per data rank."""
-    shrink = _TINY_LLAMA if run.family == "llama" else _TINY_GPT
+    shrink = {"llama": _TINY_LLAMA, "qwen3_moe": _TINY_MOE}.get(run.family, _TINY_GPT)
     config = {**run.config, **shrink}
     if run.family == "gpt2":
         config["n_positions"] = 64
-    batch = min(run.global_batch, 2 * run.mesh.get("data", 1))
+    batch = min(run.global_batch, 2 * run.mesh.get("data", 1) * run.accumulation)
     return replace(run, config=config, seq=64, global_batch=batch, memory_budget=None)
 
 
@@ -62,6 +64,8 @@ def build(run: PublishedRun) -> torch.nn.Module:
     with torch.device("meta"):
         if run.family == "llama":
             return tf.LlamaForCausalLM(tf.LlamaConfig(**run.config, use_cache=False))
+        if run.family == "qwen3_moe":
+            return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**run.config, use_cache=False))
         # Dropout off: autojigsaw draws the single-device mask, so an SDPA with dropout runs
         # replicated; the published runs' 0.1 dropout costs them a few percent of elementwise time.
         return tf.GPT2LMHeadModel(tf.GPT2Config(**run.config, use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0,
@@ -83,6 +87,8 @@ def plan_options(run: PublishedRun) -> dict:
         del options["output_placements"]
         options.update(pipeline_schedule=run.schedule, virtual_stages=run.virtual_stages,
                        microbatches=run.global_batch // run.mesh.get("data", 1) // run.microbatch)
+    if run.accumulation > 1:
+        options["microbatches"] = run.accumulation
     if "data" in run.mesh:
         options["data_parallel"] = run.data_parallel
     return options
@@ -111,11 +117,16 @@ class Outcome:
 
 
 def flops_per_token(model: torch.nn.Module, run: PublishedRun) -> float:
-    """6 N + 12 L d s: N the parameters in matmuls (an untied input embedding left out)."""
+    """6 N + 12 L d s: N the parameters in matmuls (an untied input embedding left out; of the routed experts,
+    the share a token's top-k reads)."""
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
     n = sum(p.numel() for p in model.parameters()) - (0 if tied else embed.numel())
     cfg = model.config
+    experts = getattr(cfg, "num_experts", None)
+    if experts:
+        routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+        n -= routed * (1 - cfg.num_experts_per_tok / experts)
     return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * run.seq
 
 
@@ -144,6 +155,8 @@ def plan_run(run: PublishedRun) -> Outcome:
                          "without a memory limit")
             plan = planned(_NO_BUDGET, layout)
         plan_s = time.perf_counter() - start
+        if (folded := expert_layout(plan)) is not None:
+            notes.append(folded)
         if run.layout != "planned":
             notes.append(own_layout(run, planned))
     except Exception as e:  # noqa: BLE001 - one run that can't be planned must not hide the others
@@ -160,8 +173,27 @@ def own_layout(run: PublishedRun, planned) -> str:
         own = planned(run.memory_budget)
     except ValueError as e:
         return f"autojigsaw's own layout: no plan ({str(e).splitlines()[0][:80]})"
+    folded = expert_layout(own)
     return (f"autojigsaw's own layout: {run.tokens_per_step / own.step_time / run.gpus:,.0f} tok/s/GPU, "
-            f"{own.memory_per_rank / GiB:.1f} GiB")
+            f"{own.memory_per_rank / GiB:.1f} GiB" + (f" ({folded})" if folded else ""))
+
+
+_SPLITS = {0: "batch", 1: "heads", 2: "sequence"}  # attention's query [B, H, S, D]
+
+
+def expert_layout(plan) -> str | None:
+    """Where a plan with routed experts puts them and attention, per mesh axis (None without routed experts)."""
+    routed = [n for n in plan.nodes if n.op == "autojigsaw.routed_experts"]
+    if not routed:
+        return None
+    text = f"experts {'; '.join(sorted({n.note or 'replicated' for n in routed}))}"
+    attention = [n for n in plan.nodes if n.kind == "attention"]
+    if attention:
+        query = attention[0].inputs[0]
+        axes = ", ".join(f"{name}: {_SPLITS.get(getattr(p, 'dim', None), 'whole') if p.is_shard() else 'whole'}"
+                         for name, p in zip(plan.mesh.axis_names, query))
+        text += f"; attention {axes}"
+    return text
 
 
 def layout_constraints(run: PublishedRun, model: torch.nn.Module) -> dict | None:
@@ -170,7 +202,10 @@ def layout_constraints(run: PublishedRun, model: torch.nn.Module) -> dict | None
         return None
     if run.layout == "tensor-parallel":
         return tensor_parallel(model)
-    raise ValueError(f"run {run.name!r}: unknown layout {run.layout!r}; known: 'planned', 'tensor-parallel'")
+    if run.layout == "megatron-moe":
+        return megatron_moe(model, tuple(run.mesh))
+    raise ValueError(f"run {run.name!r}: unknown layout {run.layout!r}; known: 'planned', 'tensor-parallel', "
+                     "'megatron-moe'")
 
 
 _PARTS = {"matmul": "matmul", "attention": "attention", "softmax": "softmax+norm", "norm": "softmax+norm",

@@ -2,8 +2,9 @@
 
 Each run is what its source states, with the source named (repository + path, or paper +
 table). Only runs autojigsaw can express are listed: data, FSDP and tensor parallelism with
-or without recomputation, pipeline stages (Megatron-LM's 39B-1T rows). Not here: Float8 GEMMs
-(torchtitan's "+ Float8" rows and its 70B FSDP 32 x TP 8 run).
+or without recomputation, pipeline stages (Megatron-LM's 39B-1T rows), gradient accumulation and
+expert parallelism (Megatron-Core's Qwen3-235B-A22B). Not here: Float8 GEMMs (torchtitan's
+"+ Float8" rows and its 70B FSDP 32 x TP 8 run).
 """
 
 from __future__ import annotations
@@ -27,10 +28,20 @@ PTDP = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU 
         "arXiv 2104.04473, Table 1 (also NVIDIA/Megatron-LM README, 2021)")
 SELECTIVE = ("Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models, "
              "arXiv 2205.05198, Tables 3 and 5")
+# NVIDIA's MoE recipes for Megatron-Core: 256 H100s, NVLink 4, InfiniBand 8 x 50 GB/s per node; the model's
+# arguments in model_configs/benchmarking/Qwen3-235B-A22B.yaml
+MOE_ZOO = "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (commit e865051)"
 
 LLAMA_3_1_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                  "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
                  "rope_theta": 500000.0, "max_position_embeddings": 131072}
+# Qwen/Qwen3-235B-A22B's config.json (as Megatron's recipe states it: 94 layers, every one MoE, 64 query heads of
+# 128 in 4 groups, 128 experts of 1536, top-8, softmax router normalised over the top-k, untied embeddings)
+QWEN3_235B_A22B = {"hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                   "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+                   "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                   "vocab_size": 151936, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                   "tie_word_embeddings": False}
 LLAMA_3_1_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
                 "rope_theta": 500000.0, "max_position_embeddings": 131072}
@@ -47,7 +58,7 @@ class PublishedRun:
     """One measured run: what was trained, on what, how, and what it reached."""
 
     name: str
-    family: str  # "llama" (transformers LlamaConfig) or "gpt2" (GPT2Config)
+    family: str  # "llama" (transformers LlamaConfig), "gpt2" (GPT2Config) or "qwen3_moe" (Qwen3MoeConfig)
     config: dict = field(hash=False)  # the model, in that config's keyword arguments
     gpus: int
     device: str  # an autojigsaw device spec name
@@ -65,12 +76,14 @@ class PublishedRun:
     memory_budget: float | None = None  # bytes the plan may use per GPU (None: 90 % of the device)
     note: str = ""
     # "planned": the planner chooses the layout; "tensor-parallel": the run's Megatron-style layout is
-    # imposed on the "tensor" axis (its matrix weights split there, never gathered: benchmarks/layouts.py)
+    # imposed on the "tensor" axis (its matrix weights split there, never gathered: benchmarks/layouts.py);
+    # "megatron-moe": Megatron-Core's experts over expert x tensor, attention over data x expert and tensor
     layout: str = "planned"
     # over a "pipe" axis: PyTorch's schedule name, sequences per microbatch, stages per pipe rank
     schedule: str | None = None
     microbatch: int | None = None
     virtual_stages: int | None = None
+    accumulation: int = 1  # without a pipe axis: microbatches per data replica and step (gradient accumulation)
 
     @property
     def tokens_per_step(self) -> int:
@@ -203,6 +216,18 @@ RUNS: tuple[PublishedRun, ...] = (
           ("76.1b", _GPT_76B, 4, 32, 1792, 2, "interleaved", 3, 140),
           ("530b", _GPT_530B, 35, 9, 2520, 1, "interleaved", 3, 163),
           ("1t", _GPT_1T, 64, 6, 3072, 1, "1F1B", 1, 163))),
+    # Megatron's layout: attention's tokens over data x expert (its DP 128) with heads over tensor (TP 2); the
+    # experts over expert x tensor (EP 8 inside a node, ETP 1) with Megatron-FSDP over data (EDP 32); GA 4 of
+    # micro-batch 4 per DP rank. Imposed as "megatron-moe" (benchmarks/layouts.py); the notes give the free plan.
+    PublishedRun(
+        "megatron-qwen3-235b-a22b-tp2-ep8", "qwen3_moe", QWEN3_235B_A22B, gpus=256, device="h100",
+        mesh={"data": 32, "expert": 4, "tensor": 2}, global_batch=2048, seq=4096, precision="bf16 mixed",
+        recompute="full", data_parallel="fsdp", compiled=False, tokens_per_s_per_gpu=2048 * 4096 / 17.6 / 256,
+        accumulation=4, layout="megatron-moe",
+        source=MOE_ZOO + ", table Performance Results (H100), Intra-node EP strategy, first row: TP 2, EP 8, "
+                         "EDP 32, DP 128, FSDP on, MBS 4, GBS 2048, GA 4, full recompute, DeepEP dispatcher, "
+                         "17.6 s per step, 276 TFLOP/s per GPU",
+        note="tokens/s = 2048 x 4096 / 17.6 s / 256; aux-loss load balancing, dropless (priced at balanced routing)"),
 )
 
 

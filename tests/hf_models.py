@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from .moe_models import custom_routing
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 NAMES = ("gpt2", "llama", "bert", "vit")
@@ -51,11 +53,13 @@ def hf_model(name: str, seed: int = 0, dropout: float = 0.0):
                                  decoder_hidden_size=16, num_labels=3, hidden_dropout_prob=dropout,
                                  classifier_dropout_prob=dropout, drop_path_rate=dropout)
         return tf.SegformerForSemanticSegmentation(cfg), (torch.randn(1, 3, 32, 32),)
-    if name == "mixtral":  # its experts: transformers' default grouped_mm (tests/test_moe.py)
+    if name in ("mixtral", "mixtral-custom-routing"):  # transformers' default grouped_mm experts, or its
+        # searchsorted variant whose grouped matmuls are planned one by one (tests/test_moe.py)
         cfg = tf.MixtralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                num_local_experts=8, num_experts_per_tok=2, use_cache=False)
-        return tf.MixtralForCausalLM(cfg), (ids[:1, :8],)
+        model = tf.MixtralForCausalLM(cfg)
+        return (custom_routing(model) if name == "mixtral-custom-routing" else model), (ids[:1, :8],)
     if name == "hubert":  # speech: convolutions over samples; transformers' SpecAugment and LayerDrop defaults
         cfg = tf.HubertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                               conv_dim=(8, 8), conv_stride=(2, 2), conv_kernel=(4, 3), num_conv_pos_embeddings=4,

@@ -39,6 +39,18 @@ def test_json_round_trip_is_lossless():
     assert again.fingerprint() == plan.fingerprint() and again.table() == plan.table()
 
 
+def test_the_routing_a_plan_is_priced_at_survives_json():
+    """Options.moe_imbalance is recorded in the Plan and its JSON (left out at its default, balanced routing)."""
+    model, inputs = MLP(), (torch.randn(2, 5, 16),)
+    balanced = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu")
+    assert balanced.moe_imbalance == 1.0 and "moe_imbalance" not in balanced.to_json()
+    hot = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", moe_imbalance=2.5)
+    again = Plan.from_json(hot.to_json())
+    assert hot.moe_imbalance == again.moe_imbalance == 2.5 and again == hot
+    assert autojigsaw.evaluate(again, model, inputs, device="cpu").moe_imbalance == 2.5
+    assert autojigsaw.evaluate(again, model, inputs, device="cpu", moe_imbalance=3).moe_imbalance == 3
+
+
 def _apply_saved(text):
     from autojigsaw.testing.local_ranks import get_mesh
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numbers
 
@@ -17,7 +18,7 @@ from ..cost_model.recompute import repeated_layers
 from ..cost_model.regime import with_data_traffic, with_regime
 from ..cost_model.memory import Optimizer, OptimizerName, optimizer_spec
 from ..mesh import MeshSpec
-from ..options import Options
+from ..options import Options, check_imbalance
 from ..plan import Plan
 from ..planner.assemble import assemble, fixed_solution
 from ..planner.recompute import with_layers_recomputed
@@ -87,14 +88,14 @@ def best_mesh(model: torch.nn.Module, example_inputs: Sequence, world_size: int,
 
 def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,
              optimizer: OptimizerName | Optimizer = "adam", example_kwargs: Mapping | None = None,
-             mp_policy: MixedPrecisionPolicy | None = None) -> Plan:
+             mp_policy: MixedPrecisionPolicy | None = None, moe_imbalance: float | None = None) -> Plan:
     """`plan` (planned, loaded or edited) with its costs predicted on `device`, to compare plans.
 
     `model`, `example_inputs` and `example_kwargs` are those the plan was made for. `device`
-    (required here), `optimizer` and `mp_policy`: see autojigsaw.Options. The plan's other
-    decisions, its recomputed layers (`plan.recompute`, editable) and data-parallel mode
-    included, are priced as given. Returns the plan with new step_time (seconds),
-    memory_per_rank and comm_bytes (bytes).
+    (required here), `optimizer`, `mp_policy` and `moe_imbalance` (None: the plan's): see
+    autojigsaw.Options. The plan's other decisions, its recomputed layers (`plan.recompute`,
+    editable) and data-parallel mode included, are priced as given. Returns the plan with new
+    step_time (seconds), memory_per_rank and comm_bytes (bytes).
 
         on_a100 = autojigsaw.evaluate(plan, model, (x,), device="a100")
         print(on_a100.step_time, on_a100.memory_per_rank)
@@ -103,11 +104,14 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     captured = capture_for(model, _positional(example_inputs), dict(example_kwargs or {}), regime)
     fixed = {name: pl for name, pl in zip(captured.inputs, plan.input_placements) if pl is not None}
     annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
-    ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer), regime)
+    imbalance = plan.moe_imbalance if moe_imbalance is None else moe_imbalance
+    check_imbalance(imbalance)
+    ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer), regime, imbalance)
     problem = _problem(captured, ctx, tie_layers=False)
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     nodes = [by_name[name] for name in problem.names]
     problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
     evaluated = with_regime(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
                             ctx, plan.recompute)
+    evaluated = replace(evaluated, moe_imbalance=imbalance)
     return with_data_traffic(with_traffic(evaluated, captured), captured, ctx, problem.grad)

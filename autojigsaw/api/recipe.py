@@ -32,6 +32,7 @@ from ..rewrite.traffic import traffic_by_origin
 from ..strategies.annotate import annotate
 from ..strategies.constraints import constrain
 from ..strategies.data_pins import data_pins
+from ..strategies.rules.routed_experts_cost import IMBALANCE
 from ..training import Regime
 
 log = logging.getLogger("autojigsaw")
@@ -81,7 +82,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
              _output_placements(captured, mesh, options.output_placements, options.training))
     constrain(captured, mesh, options.constraints, options.constraints_axis, stage=stage)
     t1 = time.perf_counter()
-    ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime)
+    ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime, options.moe_imbalance)
     problem = _problem(captured, ctx, options.tie_layers)
     t2 = time.perf_counter()
     nodes = {n.name: n for n in captured.gm.graph.nodes}
@@ -95,6 +96,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
         raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
     t3 = time.perf_counter()
     planned = with_regime(assemble(captured, problem, solution, ctx, budget), ctx, chosen.layers)
+    planned = replace(planned, moe_imbalance=options.moe_imbalance)
     planned = with_data_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
@@ -105,6 +107,7 @@ def with_traffic(plan: Plan, captured: Captured) -> Plan:
     """The plan with exact bytes per node, read off the graph the plan rewrites into."""
     rank = RankView.planning(plan.mesh)
     gm = rewrite(captured, plan, rank, training=plan.training)
+    gm.meta[IMBALANCE] = plan.moe_imbalance  # the routing routed experts' all-to-alls are counted at
     traffic = traffic_by_origin(gm, rank, captured.trained_params, plan.training)
     nodes = tuple(replace(n, comm_bytes=traffic.get(n.name, 0)) for n in plan.nodes)
     return replace(plan, nodes=nodes, comm_bytes=sum(traffic.values()))

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from .copies import differentiable_copies
 from .eager_strides import record_eager_strides
+from .expert_region import collapse_routed_experts
 from .export import check_complex_scatter, check_dense, check_operand_dtypes, export
 from .shapes import ShapeRange, every_dim_auto, needs_grad, shape_range
 
@@ -98,6 +99,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _DROPPED and not node.users:
             gm.graph.erase_node(node)
+    collapse_routed_experts(gm)
     gm.graph.lint()
     gm.recompile()
     mutated = [o.target for o in sig.output_specs if o.kind == OutputKind.BUFFER_MUTATION]

@@ -23,7 +23,7 @@ from torch.fx import Node
 from ..ir import Strategy, adjoint, bytes_sent, output_values, redistribute_steps, step_input_numel, tensor_inputs
 from ..kernels import registry
 from ..mesh import MeshSpec
-from ..modules import fsdp_shards
+from ..modules import data_sums, fsdp_shards
 from ..placements import Placements, local_shape
 from ..training import Regime, data_axes
 from .comm import collective_time
@@ -42,6 +42,7 @@ class CostContext:
     training: bool
     optimizer: Optimizer = field(default=OPTIMIZERS["adam"])
     regime: Regime = field(default=Regime())
+    moe_imbalance: float = 1.0  # routed experts priced with the busiest rank's tokens this times the mean
 
     @property
     def coord0(self) -> tuple[int, ...]:
@@ -53,11 +54,11 @@ class CostContext:
         axes = data_axes(self.mesh) if self.regime.fsdp else ()
         return axes[0] if axes and self.mesh.sizes[axes[0]] > 1 else None
 
-    def param_memory(self, value) -> ParamMemory:
-        """What a parameter (its graph value: dtype and shape) keeps, under this regime."""
-        axis, itemsize = self.fsdp_axis, value.dtype.itemsize
+    def param_memory(self, placeholder: Node) -> ParamMemory:
+        """What a parameter (its graph placeholder: dtype and shape) keeps, under this regime."""
+        axis, itemsize = self.fsdp_axis, placeholder.meta["val"].dtype.itemsize
         return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
-                              fsdp_ranks=self.mesh.sizes[axis] if axis is not None and fsdp_shards(value) else 1,
+                              fsdp_ranks=self.mesh.sizes[axis] if axis is not None and fsdp_shards(placeholder) else 1,
                               reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize),
                               kept_gathered=self.regime.fsdp_once)
 
@@ -68,13 +69,14 @@ class CostContext:
         axes = data_axes(self.mesh) if self.regime.data_sums_once else ()
         return axes[0] if axes and self.mesh.sizes[axes[0]] > 1 else None
 
-    def data_comm(self, nbytes, value, trained: bool = True):
-        """(seconds, bytes sent) of the data axis' own traffic for a parameter (its graph value) of `nbytes` local
-        compute bytes, per step: FSDP gathers it for forward and again for backward (once under
+    def data_comm(self, nbytes, placeholder: Node, trained: bool = True):
+        """(seconds, bytes sent) of the data axis' own traffic for a parameter (its graph placeholder) of `nbytes`
+        local compute bytes, per step: FSDP gathers it for forward and again for backward (once under
         `regime.fsdp_once`) and reduce-scatters its gradient; DDP under gradient accumulation all-reduces
-        its gradient once; nothing else here (the graph sums gradients itself)."""
-        axis, itemsize = self.summed_axis, value.dtype.itemsize
-        if axis is None or not self.training:
+        its gradient once; nothing else here (the graph sums gradients itself, and those of the weights
+        the data axis splits: routed experts')."""
+        axis, itemsize = self.summed_axis, placeholder.meta["val"].dtype.itemsize
+        if axis is None or not self.training or not data_sums(placeholder, fsdp=self.regime.fsdp):
             return 0.0, 0
         n, link = self.mesh.sizes[axis], self.link(axis)
         grad_bytes = nbytes * self.regime.precision.reduce_itemsize(itemsize) / itemsize if trained else 0.0
@@ -84,8 +86,6 @@ class CostContext:
 
         if not self.regime.fsdp:
             return one("all_reduce", grad_bytes), bytes_sent("all_reduce", grad_bytes, n)
-        if not fsdp_shards(value):
-            return 0.0, 0
         gathers = 1 if self.regime.fsdp_once else 2  # forward and again backward, or once for the step
         time = gathers * one("all_gather", nbytes / n) + (one("reduce_scatter", grad_bytes) if trained else 0.0)
         sent = gathers * nbytes * (n - 1) / n + grad_bytes * (n - 1) / n
@@ -133,10 +133,10 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         sizes = ctx.mesh.sizes
         local = _local(tuple(val.shape), tuple(s.outputs[0] for s in strategies), sizes)
         nbytes = np.prod(local, axis=1) * val.dtype.itemsize
-        masters = nbytes * ctx.param_memory(val).state  # what the optimizer step reads
+        masters = nbytes * ctx.param_memory(node).state  # what the optimizer step reads
         step = (memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer") if grad
                 else np.zeros_like(nbytes))
-        return NodeCosts(step + ctx.data_comm(nbytes, val, trained=grad)[0])
+        return NodeCosts(step + ctx.data_comm(nbytes, node, trained=grad)[0])
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)
     time = _default_times(node, tuple(strategies), ctx, grad, operand_grads)

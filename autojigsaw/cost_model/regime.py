@@ -26,14 +26,15 @@ def with_data_traffic(plan: Plan, captured: Captured, ctx: CostContext, grad: di
     (the two share the GPU). That traffic alone sums the weights' gradients over that axis: the
     rewritten graph leaves them to it, and it has none to sum for a weight that gets none (`grad`, the
     planned problem's: frozen, or behind a detach)."""
-    values = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if n.name in captured.params}
+    placeholders = {n.name: n for n in captured.gm.graph.nodes if n.name in captured.params}
     fsdp_s, fsdp_bytes, gather_s = 0.0, 0, 0.0
     for name in captured.params:
-        local = local_shape(tuple(values[name].shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
-        nbytes = math.prod(local) * values[name].dtype.itemsize
-        s, b = ctx.data_comm(nbytes, values[name], trained=grad[name])
+        val = placeholders[name].meta["val"]
+        local = local_shape(tuple(val.shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
+        nbytes = math.prod(local) * val.dtype.itemsize
+        s, b = ctx.data_comm(nbytes, placeholders[name], trained=grad[name])
         fsdp_s, fsdp_bytes = fsdp_s + float(s), fsdp_bytes + int(b)
-        gather_s += float(ctx.data_comm(nbytes, values[name], trained=False)[0])
+        gather_s += float(ctx.data_comm(nbytes, placeholders[name], trained=False)[0])
     if not fsdp_s:
         return plan
     compute = sum(n.compute_s for n in plan.nodes if n.kind != "param")

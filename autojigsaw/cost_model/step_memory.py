@@ -98,16 +98,16 @@ class _Vectors:
 def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
                  kernel_saved: dict[int, np.ndarray] | None = None,
-                 param_memory: Callable[[torch.Tensor], ParamMemory] | None = None,
+                 param_memory: Callable[[Node], ParamMemory] | None = None,
                  params: dict[str, str] | None = None) -> MemoryModel:
     """The items of one step. `persistent`: parameter and buffer placeholders (live always);
     `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default);
-    `param_memory(value)`: what each of `params` (placeholder -> FQN) keeps (mixed precision, FSDP);
+    `param_memory(placeholder)`: what each of `params` (placeholder -> FQN) keeps (mixed precision, FSDP);
     None: plain training.
     """
     step = _StepItems(nodes, strategies, sizes, training=training, grad=grad, persistent=persistent,
                       optimizer=optimizer, kernel_saved=kernel_saved or {},
-                      param_memory=param_memory or (lambda value: ParamMemory()), params=params or {})
+                      param_memory=param_memory or (lambda placeholder: ParamMemory()), params=params or {})
     for k in range(len(nodes)):  # what each node reads: moved copies, saved inputs, the loss's gradient
         step.add_reads(k)
     for i in range(len(nodes)):  # each storage: a weight or buffer all step, an activation while it is needed
@@ -149,7 +149,7 @@ class _StepItems:
 
     def __init__(self, nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
-                 kernel_saved: dict[int, np.ndarray], param_memory: Callable[[torch.Tensor], ParamMemory],
+                 kernel_saved: dict[int, np.ndarray], param_memory: Callable[[Node], ParamMemory],
                  params: dict[str, str]):
         self.nodes, self.strategies, self.training, self.grad = nodes, strategies, training, grad
         self.persistent, self.optimizer, self.kernel_saved = persistent, optimizer, kernel_saved
@@ -282,7 +282,7 @@ class _StepItems:
         """A parameter or buffer: resident all step (FSDP: gathered while its unit runs); a trained
         parameter's optimizer states and gradient too."""
         node, model, fwd, bwd, end = self.nodes[i], self.model, self.fwd, self.bwd, self.end
-        pm = self.param_memory(output_values(node)[0]) if node.name in self.params else ParamMemory()
+        pm = self.param_memory(node) if node.name in self.params else ParamMemory()
         model.lin.append(LinearItem(i, v, 0, end, pm.resident))
         first, last = self.gathered_span.get(node.name, (0, self.n - 1))
         if pm.gathered and i in self.first_read:  # FSDP: gathered while its unit runs, forward and backward;
@@ -323,7 +323,7 @@ class _StepItems:
     def add_optimizer_temporaries(self) -> None:
         """The optimizer step's temporaries, one parameter at a time: the largest parameter's."""
         members = tuple(Member(i, self.model.vector(self.out_bytes[i]),
-                               self.optimizer.temporaries * self.param_memory(output_values(node)[0]).state)
+                               self.optimizer.temporaries * self.param_memory(node).state)
                         for i, node in enumerate(self.nodes)
                         if node.name in self.persistent and self.grad.get(node.name, False))
         if members:

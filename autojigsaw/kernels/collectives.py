@@ -61,7 +61,12 @@ def count_comm():
 
 def record(kind: str, axis: MeshAxis, tensor: torch.Tensor) -> None:
     if _ACTIVE_LOGS and not torch.compiler.is_compiling():
-        sent = bytes_sent(kind, tensor.numel() * tensor.element_size(), axis.size)
+        record_sent(kind, axis, bytes_sent(kind, tensor.numel() * tensor.element_size(), axis.size))
+
+
+def record_sent(kind: str, axis: MeshAxis, sent: int) -> None:
+    """Record a collective that sends `sent` bytes (an uneven all-to-all: the rows to the other ranks)."""
+    if _ACTIVE_LOGS and not torch.compiler.is_compiling():
         for log in _ACTIVE_LOGS:
             log.calls.append((kind, axis.name, sent))
 

@@ -7,6 +7,7 @@ import torch
 from torch.fx import Node
 
 from ..capture import Captured
+from ..capture.routed_experts import OP as ROUTED_EXPERTS
 from ..cost_model.compute import ATTENTION, MATMULS, NORMS, SOFTMAX
 from ..cost_model.estimate import CostContext
 from ..cost_model.symbolic import name_sizes
@@ -28,6 +29,8 @@ def node_kind(node: Node, captured: Captured) -> str:
     if node.op == "output":
         return "output"
     target = node.target
+    if target is ROUTED_EXPERTS:  # grouped GEMMs behind a dispatch
+        return "matmul"
     for kind, ops in (("matmul", MATMULS), ("attention", ATTENTION), ("softmax", SOFTMAX),
                       ("norm", NORMS), ("embedding", _EMBEDDING)):
         if target in ops:

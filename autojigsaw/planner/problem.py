@@ -16,7 +16,7 @@ from ..cost_model.estimate import CostContext, EdgeCosts, consumer_partial_axes,
 from ..cost_model.liveness import MemoryModel
 from ..cost_model.step_memory import build_memory
 from ..ir import STRATEGIES, Strategy, output_values, tensor_inputs
-from ..modules import fsdp_shards
+from ..modules import data_sums
 from .layers import tie_groups
 
 
@@ -109,10 +109,10 @@ def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], gra
         dst = strategies[index[node]]
         for k, (src, o) in enumerate(tensor_inputs(node)):
             val = output_values(src)[o]
+            # the data axis sums these gradients outside the graph (not a scalar's under FSDP, nor routed experts')
+            summed = ctx.summed_axis if src.name in params and data_sums(src, fsdp=ctx.regime.fsdp) else None
             key = (id(strategies[index[src]]), o, id(dst), k, grad[src.name], tuple(val.shape), val.dtype,
-                   src.name in params)
-            # FSDP sums these gradients itself (a scalar's: the graph, as under DDP)
-            summed = ctx.summed_axis if src.name in params and (fsdp_shards(val) or not ctx.regime.fsdp) else None
+                   src.name in params, summed)
             if key not in cache:
                 cache[key] = edge_costs(val, _outputs(strategies[index[src]], o),
                                         tuple(s.inputs[k] for s in dst),

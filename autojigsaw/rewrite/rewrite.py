@@ -20,7 +20,7 @@ from ..ir import (AXIS, GLOBAL, KERNEL, ORIGIN, PLACEMENTS, Collective, GradKind
                   step_sizes, tensor_inputs)
 from ..kernels import collectives, registry
 from ..mesh import RankView
-from ..modules import fsdp_shards, layer_units
+from ..modules import data_sums, layer_units
 from ..placements import Placements
 from ..plan import NodeSharding, Plan
 from ..strategies.dtensor_rules import local_call
@@ -82,7 +82,7 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params),
                        summed_axis=data_axes(plan.mesh)[0] if once else None,
                        summed_params={n.name for n in captured.gm.graph.nodes
-                                    if n.name in captured.params and (fsdp_shards(n.meta["val"]) or not fsdp)})
+                                      if n.name in captured.params and data_sums(n, fsdp=fsdp)})
     fuse_collectives(gm)
     units = layer_units(list(captured.gm.graph.nodes), captured.params) if fsdp else None
     bucket_collectives(gm, captured, rank, units)

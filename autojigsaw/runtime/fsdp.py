@@ -174,14 +174,15 @@ def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Re
 
 def _unit_params(model: nn.Module, captured: Captured, layer_of: dict[str, str], *, rest: bool) -> tuple[dict, dict]:
     """The weights FSDP shards, by unit (a layer, None: the root's) and named by placeholder, and those it
-    leaves whole (scalars); `rest`: the model's weights the program does not read join the root."""
+    leaves whole (scalars; routed experts' weights, which the plan splits over the data axis); `rest`: the model's weights the program does not read join the root."""
     by_unit: dict[str | None, dict[str, nn.Parameter]] = {None: {}}
     whole: dict[str, nn.Parameter] = {}
     placed = set()
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
     for placeholder, fqn in captured.params.items():
         p = model.get_parameter(fqn)
         placed.add(id(p))
-        if fsdp_shards(p):
+        if fsdp_shards(nodes[placeholder]):
             by_unit.setdefault(layer_of.get(placeholder), {})[placeholder] = p
         else:
             whole[placeholder] = p

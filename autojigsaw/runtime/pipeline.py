@@ -176,6 +176,15 @@ def refuse_fsdp_in_two_stages(pipeline: Pipeline, stage_weights: Sequence[set[st
                              "'interleaved'), or data_parallel='ddp'")
 
 
+def _split_over(p: nn.Parameter, group: dist.ProcessGroup) -> bool:
+    """Whether DTensor `p` is sharded over the mesh axis whose process group is `group`."""
+    if not isinstance(p, DTensor):
+        return False
+    mesh = p.device_mesh
+    return any(pl.is_shard() and mesh.get_group(d).group_name == group.group_name
+               for d, pl in enumerate(p.placements))
+
+
 def drop_parameters(model: nn.Module, keep: set[str]) -> None:
     """Every parameter of `model` not in `keep` (FQNs) removed: another pipe rank's stages hold it."""
     kept = {id(model.get_parameter(fqn)) for fqn in keep}
@@ -251,9 +260,12 @@ def split_microbatches(args: tuple, kwargs: dict, microbatches: int) -> list[tup
 
 def sum_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Every weight's gradient summed over `group` (the data axis under DDP, once its microbatches have
-    accumulated), one all-reduce per dtype on a flat copy; a weight with no gradient adds zeros."""
+    accumulated), one all-reduce per dtype on a flat copy; a weight with no gradient adds zeros. A weight
+    split over that axis (routed experts' over the data axis) has its ranks' own gradients: left alone."""
     grads = []
     for p in params:
+        if _split_over(p, group):
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)

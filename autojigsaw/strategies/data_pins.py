@@ -1,10 +1,14 @@
-"""Data parallelism: a mesh axis named "data" or "dp" splits the batch and never the weights.
+"""Data parallelism: a mesh axis named "data" or "dp" splits the batch, and weights only by their experts.
 
 Such an axis is pure data parallelism: every tensor input whose dim 0 is the batch is sharded
 on dim 0 over it, every other input, parameter and buffer is replicated over it, and the planner
 chooses freely on the other axes. Weights then stay whole over the data axis, and the gradient
 pass all-reduces their gradients over it (activations are sharded there), as DDP does; FSDP2
-`fully_shard` can shard them over it afterwards (see ParallelModule).
+`fully_shard` can shard them over it afterwards (see ParallelModule). One exception: the weights
+of routed experts (modules.EXPERT_WEIGHT) are split over it by their experts (dim 0), which a
+token dispatch over the data axis uses where they are (expert parallelism on ranks borrowed from
+the data, as torchtitan's) and any other strategy gathers; FSDP leaves them. Fewer experts than
+data ranks stay whole over the data axes, summed there as under DDP.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..capture import Captured
 from ..mesh import MeshSpec
+from ..modules import EXPERT_WEIGHT
 from ..placements import Placements
 from ..training import data_axes
 
@@ -25,7 +30,8 @@ def data_pins(captured: Captured, mesh: MeshSpec, fixed: dict[str, Placements]) 
     axes = tuple(a for a in data_axes(mesh) if mesh.sizes[a] > 1)  # a size-1 axis splits nothing
     if not axes:
         return fixed
-    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    placeholders = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    values = {name: n.meta.get("val") for name, n in placeholders.items()}
     inputs = [name for name in captured.inputs if isinstance(values[name], torch.Tensor)]
     batch = next((values[n].shape[0] for n in inputs if values[n].ndim), None)
     ranks = math.prod(mesh.sizes[a] for a in axes)
@@ -40,9 +46,11 @@ def data_pins(captured: Captured, mesh: MeshSpec, fixed: dict[str, Placements]) 
             continue
         pin = list(fixed.get(name, (None,) * mesh.ndim))
         batched = name in inputs and val.ndim and val.shape[0] == batch
+        # fewer experts than data ranks: kept whole there (FSDP leaves them too; the graph sums their gradients)
+        experts = placeholders[name].meta.get(EXPERT_WEIGHT, False) and val.shape[0] >= ranks
         for a in axes:
             if pin[a] is None:
-                pin[a] = Shard(0) if batched else Replicate()
+                pin[a] = Shard(0) if batched or experts else Replicate()
         pins[name] = tuple(pin)
     return pins
 

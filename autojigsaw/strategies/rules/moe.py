@@ -11,17 +11,21 @@ Both get these strategies per mesh axis:
               (rules/expert_gather.py, half the bytes of the Partial's all-reduce)
   columns     X Replicate, W Shard(2), offs Replicate    -> Shard(1)  (Megatron inside every expert)
   rows        X Shard(1), W Shard(1), offs Replicate     -> Partial
-The router (softmax, topk, sort, histc, index) runs replicated, as do other forms of
-aten._grouped_mm (a bias, another out_dtype, 3-D x 3-D, 2-D x 2-D or 3-D x 2-D groups).
+These serve grouped matmuls outside a recognised routed-experts region (capture/expert_region.py:
+transformers' default experts become one routed_experts node, rules/routed_experts.py); their
+strategies note why. The router (softmax, topk, sort, histc, index) runs replicated, as do other
+forms of aten._grouped_mm (a bias, another out_dtype, 3-D x 3-D, 2-D x 2-D or 3-D x 2-D groups).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ...capture.routed_experts import NOT_DISPATCHED
 from ...cost_model.compute import backward_factor, roofline_time
 from ...ir import Strategy
 from ...kernels import registry
@@ -55,7 +59,7 @@ def _unsupported_form(node) -> str | None:
 def grouped_mm(node, mesh, candidates):
     if (form := _unsupported_form(node)) is not None:
         return [Strategy(((R,) * mesh.ndim,) * len(candidates), ((R,) * mesh.ndim,), fallback=True,
-                         note=f"no sharding rule for grouped_mm of {form}")]
+                         note=f"no sharding rule for grouped_mm of {form}")]  # its region's reason: the form
     experts, k, n_out = node.args[1].meta["val"].shape
 
     def options(n):
@@ -71,9 +75,18 @@ def grouped_mm(node, mesh, candidates):
         return opts + gathered_options(n, experts, n_out)
 
     # experts split over several axes: every rank keeps at least one
-    return [s for s in per_axis(mesh, options)
-            if math.prod(n for n, p in zip(mesh.sizes, s.inputs[1]) if p == Shard(0)) <= experts
-            and keep(s, mesh.sizes)]
+    found = [s for s in per_axis(mesh, options)
+             if math.prod(n for n, p in zip(mesh.sizes, s.inputs[1]) if p == Shard(0)) <= experts
+             and keep(s, mesh.sizes)]
+    return _with_reason(found, node.meta.get(NOT_DISPATCHED))
+
+
+def _with_reason(strategies: list[Strategy], reason: str | None) -> list[Strategy]:
+    """The strategies noting why their experts are not behind a token dispatch (capture/expert_region.py)."""
+    if reason is None:
+        return strategies
+    told = f"no token dispatch: {reason}"
+    return [dataclasses.replace(s, note=f"{s.note}; {told}" if s.note else told) for s in strategies]
 
 
 def expert_rows_mm(op, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, first: int) -> torch.Tensor:
