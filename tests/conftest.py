@@ -15,7 +15,7 @@ os.environ["AUTOJIGSAW_CACHE"] = "off"
 # when it is almost done, so the suite does not end with one worker in a long file while the other waits.
 # (xdist's own order, by number of tests, ran the two-test files of a minute and more last.)
 _LONGEST_FIRST = ("test_attention_rules.py", "test_grad_probe.py", "test_benchmarks_smoke.py", "test_train_example.py",
-                  "test_moe_dispatch.py", "test_data_parallel.py", "test_halo.py", "test_hf_models.py", "test_faults.py",
+                  "test_moe_dispatch.py", "test_pipeline.py", "test_data_parallel.py", "test_halo.py", "test_hf_models.py", "test_faults.py",
                   "test_expert_parallel.py", "test_fuzz.py", "test_vocab_parallel_loss.py", "test_complex_rope.py",
                   "test_training_regime.py", "test_local_ranks.py", "test_errors.py")
 
