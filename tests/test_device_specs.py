@@ -1,5 +1,7 @@
 """Device specs: kernel efficiency by size, fabrics, torch.compile, against published microbenchmarks."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import sympy
@@ -134,3 +136,17 @@ def test_tf32_prices_fp32_matmuls_and_convs_at_the_tensor_core_peak_only():
     assert device_spec("a100-40gb+tf32+compile") == tf32.compiled() and "TF32" in tf32.table()
     with pytest.raises(ValueError, match=r"device 'cpu-gloo' has no TF32 peak; its dtypes: \['float32'"):
         device_spec("cpu+tf32")
+
+
+def test_gpu_specs_hold_memory_as_the_caching_allocator_and_expandable_segments_are_a_suffix():
+    """Every GPU spec prices memory as torch's CUDA caching allocator reserves it; "+expandable" is
+    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", combinable with "+compile"; the CPU has no such allocator."""
+    assert all(DEVICES[name].caching_allocator for name in DEVICES if name != "cpu-gloo")
+    assert not device_spec("cpu").caching_allocator
+    spec = device_spec("h100-96gb+expandable+compile")
+    assert spec.expandable_segments and spec.fused_pointwise and spec.name == "h100-96gb+expandable+compile"
+    assert "expandable segments" in spec.table() and not device_spec("h100").expandable_segments
+    with pytest.raises(ValueError, match="no CUDA caching allocator"):
+        device_spec("cpu+expandable")
+    with pytest.raises(ValueError, match="set caching_allocator=True"):
+        dataclasses.replace(device_spec("cpu"), expandable_segments=True)
