@@ -89,7 +89,8 @@ class DeviceSpec:
     `torch.backends.cuda.matmul.allow_tf32 = True` (and cudnn's), at the "tfloat32" peak
     (cuDNN's patchwise convolutions excepted: compute.kind_name). `overlap_slowdown`: how much
     slower compute runs while a collective overlaps it (they share the device; 0.189 on GPUs,
-    measured), charged on the FSDP traffic a step hides. `caching_allocator`: the device's memory is
+    measured), charged on the FSDP traffic a step hides. `fitted` names the fields fitted on published
+    runs, and those runs (benchmarks/published.py reports them apart from the others). `caching_allocator`: the device's memory is
     held by torch's CUDA caching allocator, so a plan's memory is the allocator's reserved peak
     (cost_model/allocations.py; every GPU spec); `expandable_segments`: the allocator runs with
     PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" (torchtitan's setting; `with_expandable_segments`).
@@ -114,6 +115,7 @@ class DeviceSpec:
     overlap_slowdown: float = 0.0  # compute beside a collective runs this much slower (they share the device)
     caching_allocator: bool = False  # memory is torch's CUDA caching allocator's: plans fit its reserved bytes
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
+    fitted: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (field, the published runs it was fitted on)
 
     def __post_init__(self):
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0 or self.devices_per_node < 1:
@@ -210,6 +212,7 @@ class DeviceSpec:
             rows.append(("compute beside FSDP's collectives", f"{self.overlap_slowdown:.1%} slower"))
         if self.tf32:
             rows.append(("fp32 matmuls", "TF32 on tensor cores"))
+        rows += [(f"fitted: {name}", ", ".join(runs)) for name, runs in self.fitted]
         if self.caching_allocator:
             rows.append(("memory held by", "CUDA caching allocator" + (", expandable segments" if
                                                                        self.expandable_segments else "")))
