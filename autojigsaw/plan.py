@@ -109,8 +109,10 @@ class Plan:
     `mesh` (MeshSpec), `device` (the spec's name), `training`; `nodes`: a NodeSharding per
     graph node; `param_placements` (parameter FQN -> placements), `input_placements`,
     `output_placements`: one DTensor placement per mesh axis each. Predicted per rank and step:
-    `memory_per_rank` (peak bytes, at `peak_at`), `comm_bytes` (bytes sent), `step_time`
-    (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer, "selective" |
+    `memory_per_rank` (peak bytes, at `peak_at`: on a device with torch's CUDA caching allocator the
+    bytes it reserves, torch.cuda.max_memory_reserved, and `memory_allocated` those it hands out,
+    max_memory_allocated; elsewhere the bytes live, and `memory_allocated` None), `comm_bytes` (bytes
+    sent), `step_time` (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer, "selective" |
     "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
     planning went; `explainer`: the planner's data behind `explain`; `microbatches` per data replica
     and step (gradient accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients
@@ -139,6 +141,7 @@ class Plan:
     precision: str = "model dtype"  # how parameters compute (Precision.describe)
     recompute: tuple[tuple[str, str], ...] = ()  # (layer, policy) for each recomputed layer
     data_parallel: str | None = None  # "fsdp" | "ddp" on the mesh's data axis
+    memory_allocated: int | None = None  # caching allocator: predicted max_memory_allocated (memory_per_rank: reserved)
     stats: PlanStats | None = field(default=None, compare=False)
     explainer: Callable | None = field(default=None, compare=False, repr=False)
     microbatches: int = 1  # per data replica and step: gradient accumulation, or the pipeline's
@@ -249,12 +252,17 @@ class Plan:
             f"mesh {self.mesh.describe()} on {self.device}, "
             f"{'training' if self.training else 'inference'}: "
             f"predicted step {format_seconds(self.step_time)}, comm {format_bytes(self.comm_bytes)}/rank, "
-            f"peak memory {format_bytes(self.memory_per_rank)}/rank{budget}"
+            f"peak memory {format_bytes(self.memory_per_rank)}/rank{self._allocated()}{budget}"
             + (f" at the {self.peak_at}" if self.peak_at else "") + f"; {len(self.fallbacks)} fallback node(s)"
             + f"\nlayout: {self.layout()}\nprecision: {self.precision}; recompute: {self.recompute_summary()}"
             + (f"; data axis: {self.data_parallel}" if self.data_parallel else "")
             + (f"; plan {self.stats.proof()}" if self.stats is not None else "")
         )
+
+    def _allocated(self) -> str:
+        if self.memory_allocated is None:
+            return ""
+        return f" reserved ({format_bytes(self.memory_allocated)} allocated)"
 
     def layout(self) -> str:
         """The chosen layout per mesh axis, in words ("tensor: 12/14 weights split, activations split")."""
@@ -279,7 +287,7 @@ class Plan:
         proof = "" if self.stats is None else f"; plan {self.stats.proof()}" + (
             " (from the plan cache)" if self.stats.from_cache else "")
         return (f"autojigsaw: {self.mesh.describe()} on {self.device}: {self.layout()}; predicted step "
-                f"{format_seconds(self.step_time)}, peak {format_bytes(self.memory_per_rank)}/rank, "
+                f"{format_seconds(self.step_time)}, peak {format_bytes(self.memory_per_rank)}/rank{self._allocated()}, "
                 f"{format_bytes(self.comm_bytes)} sent/rank/step; {len(self.fallbacks)} fallback node(s)" + proof)
 
     def recompute_summary(self) -> str:
@@ -336,6 +344,7 @@ class Plan:
             "step_time": self.step_time, "memory_budget": self.memory_budget, "peak_at": self.peak_at,
             "precision": self.precision, "recompute": [list(r) for r in self.recompute],
             "data_parallel": self.data_parallel,
+            **({"memory_allocated": self.memory_allocated} if self.memory_allocated is not None else {}),
             "nodes": [{**asdict(n), "inputs": [pl(p) for p in n.inputs],
                        "outputs": [pl(p) for p in n.outputs]} for n in self.nodes],
         }
@@ -386,5 +395,6 @@ class Plan:
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
             data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1),
             sums_once=d.get("sums_once", False), pipeline=pipeline, moe_imbalance=d.get("moe_imbalance", 1.0),
+            memory_allocated=d.get("memory_allocated"),
         )
 

@@ -106,10 +106,21 @@ class Outcome:
     notes: tuple[str, ...]
     error: str = ""
     split: tuple[tuple[str, float], ...] = ()  # (part, seconds) of the predicted step
+    allocated_gib: float | None = None  # the plan's memory_allocated (what the caching allocator hands out)
 
     @property
     def ratio(self) -> float | None:
         return self.tokens_per_s_per_gpu / self.run.tokens_per_s_per_gpu if self.tokens_per_s_per_gpu else None
+
+    @property
+    def step_error(self) -> float | None:
+        """Predicted step time over the published one, less 1 (-0.1: predicted 10 % fast)."""
+        return 1 / self.ratio - 1 if self.ratio else None
+
+    @property
+    def fitted(self) -> tuple[str, ...]:
+        """The device parameters fitted on this run (its device spec names them): empty for a test run."""
+        return tuple(name for name, runs in device_spec(self.run.device).fitted if self.run.name in runs)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
         peak = device_spec(self.run.device).peak_flops(_COMPUTE_DTYPE[self.run.precision])
@@ -163,8 +174,9 @@ def plan_run(run: PublishedRun) -> Outcome:
         return Outcome(run, None, None, fpt, time.perf_counter() - start, tuple(notes),
                        f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     tps = run.tokens_per_step / plan.step_time / run.gpus
+    allocated = plan.memory_allocated / GiB if plan.memory_allocated is not None else None
     return Outcome(run, tps, plan.memory_per_rank / GiB, fpt, plan_s, tuple(notes),
-                   split=time_split(plan))
+                   split=time_split(plan), allocated_gib=allocated)
 
 
 def own_layout(run: PublishedRun, planned) -> str:
@@ -234,16 +246,30 @@ def rows(outcomes: list[Outcome]) -> list[tuple]:
     for o in outcomes:
         r = o.run
         mesh = " x ".join(f"{k}={v}" for k, v in r.mesh.items())
-        out.append((r.name, r.gpus, mesh, _f(o.tokens_per_s_per_gpu, ",.0f"), f"{r.tokens_per_s_per_gpu:,.0f}",
-                    _f(o.ratio, ".2f"), _f(o.mfu(o.tokens_per_s_per_gpu), ".1%"),
+        out.append((r.name, "training: " + ", ".join(o.fitted) if o.fitted else "test", r.gpus, mesh,
+                    _f(o.tokens_per_s_per_gpu, ",.0f"), f"{r.tokens_per_s_per_gpu:,.0f}",
+                    _f(o.ratio, ".2f"), _f(o.step_error, "+.1%"), _f(o.mfu(o.tokens_per_s_per_gpu), ".1%"),
                     _f(o.mfu(r.tokens_per_s_per_gpu), ".1%"),
-                    _f(o.memory_gib, ".1f"), _f(r.memory_gib, ".1f"), f"{o.plan_s:.1f}",
+                    _f(o.allocated_gib, ".1f"), _f(o.memory_gib, ".1f"), _f(r.memory_gib, ".1f"), f"{o.plan_s:.1f}",
                     "; ".join(o.notes + ((o.error,) if o.error else ()))))
     return out
 
 
-HEADERS = ["run", "GPUs", "mesh", "tok/s/GPU pred", "published", "ratio", "MFU pred", "MFU pub",
-           "GiB pred", "GiB pub", "plan s", "notes"]
+HEADERS = ["run", "role", "GPUs", "mesh", "tok/s/GPU pred", "published", "ratio", "step err", "MFU pred", "MFU pub",
+           "GiB alloc", "GiB pred", "GiB pub", "plan s", "notes"]
+
+
+def errors_apart(outcomes: list[Outcome]) -> str:
+    """The step-time error of the training runs and of the test runs, apart: worst and mean magnitude."""
+    parts = []
+    training = [o for o in outcomes if o.fitted]
+    for role, group in (("training", training), ("test", [o for o in outcomes if o not in training])):
+        errs = [o.step_error for o in group if o.step_error is not None]
+        if errs:
+            worst = max(errs, key=abs)
+            parts.append(f"{role} runs ({len(errs)}): worst step-time error {worst:+.1%}, mean |error| "
+                         f"{sum(map(abs, errs)) / len(errs):.1%}")
+    return "; ".join(parts) or "no run planned"
 
 
 def main(argv: list[str] | None = None) -> Report:
@@ -261,11 +287,12 @@ def main(argv: list[str] | None = None) -> Report:
     for run in runs:
         print(f"planning {run.name} ({run.gpus} x {run.device}, {run.mesh}) ...", flush=True)
         outcomes.append(plan_run(run))
-    ratios = [o.ratio for o in outcomes if o.ratio]
-    worst = max(ratios, key=lambda x: abs(x - 1), default=None)
     rep.table("Predicted against published, per GPU", rows(outcomes), HEADERS,
-              f"worst throughput ratio: {_f(worst, '.2f')}; MFU = tokens/s x (6N + 12 L d s) / peak "
-              "(both columns, same formula)")
+              f"{errors_apart(outcomes)}. Step err: predicted step time over the published one, less 1; role: "
+              "training where a device parameter was fitted on the run (DeviceSpec.fitted names it), test "
+              "otherwise. MFU = tokens/s x (6N + 12 L d s) / peak (both columns, same formula); GiB pred: on a GPU "
+              "the peak the caching allocator reserves (max_memory_reserved, what torchtitan publishes), GiB alloc: "
+              "what it hands out (max_memory_allocated)")
     rep.table("Where the predicted step goes (% of the sum of node and resharding times)",
               [(o.run.name, *(f"{100 * t / max(sum(dict(o.split).values()), 1e-30):.0f}" for _, t in o.split))
                for o in outcomes if o.split], ["run", *PARTS])

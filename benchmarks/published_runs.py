@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (linked from docs/performance.md)"
+# torchtitan runs with the caching allocator's expandable segments (run_train.sh sets
+# PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"), and its memory figures are the allocator's
+# reserved peaks (torchtitan/components/metrics.py, max_reserved_gib): "+expandable".
 # Its "selective activation checkpointing" is the 8B config's default, selective_ac_option = "op":
 # torchtitan/parallelisms/parallelize_llama.py saves mm and attention outputs "except every second mm"
 # (k, o and up projections recomputed): autojigsaw's "selective-op".
@@ -136,35 +139,36 @@ _LARGE, _SMALL = "H100 80GB BF16 (Large Scale, >= 128 GPUs)", "H100 80GB BF16"
 
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
-        "torchtitan-8b-fsdp8", "llama", LLAMA_3_1_8B, gpus=8, device="h100-96gb", mesh={"data": 8},
+        "torchtitan-8b-fsdp8", "llama", LLAMA_3_1_8B, gpus=8, device="h100-96gb+expandable", mesh={"data": 8},
         global_batch=16, seq=8192, precision="bf16 mixed", recompute="selective-op", data_parallel="fsdp",
         compiled=True, tokens_per_s_per_gpu=6667, memory_gib=77.0, mfu=0.39, memory_budget=92e9,
         source=TORCHTITAN + ", Table 1, row FSDP + torch.compile",
         note="H100 96 GB HBM2e at 500 W; MFU 33-39 % stated for the 1-D 8B runs (footnote 2, SXM peak)"),
     PublishedRun(
-        "torchtitan-8b-fsdp8-eager", "llama", LLAMA_3_1_8B, gpus=8, device="h100-96gb", mesh={"data": 8},
+        "torchtitan-8b-fsdp8-eager", "llama", LLAMA_3_1_8B, gpus=8, device="h100-96gb+expandable", mesh={"data": 8},
         global_batch=16, seq=8192, precision="bf16 mixed", recompute="selective-op", data_parallel="fsdp",
         compiled=False, tokens_per_s_per_gpu=5762, memory_gib=82.4, mfu=0.33, memory_budget=92e9,
         source=TORCHTITAN + ", Table 1, row FSDP", note="the same run without torch.compile"),
     PublishedRun(
-        "torchtitan-8b-fsdp128", "llama", LLAMA_3_1_8B, gpus=128, device="h100-96gb", mesh={"data": 128},
+        "torchtitan-8b-fsdp128", "llama", LLAMA_3_1_8B, gpus=128, device="h100-96gb+expandable", mesh={"data": 128},
         global_batch=256, seq=8192, precision="bf16 mixed", recompute="selective-op", data_parallel="fsdp",
         compiled=True, tokens_per_s_per_gpu=6514, memory_gib=62.0, memory_budget=92e9,
         source=TORCHTITAN + ", Table 3, row FSDP + torch.compile", note="16 nodes, 400 Gb/s RDMA per GPU"),
     PublishedRun(
-        "torchtitan-8b-fsdp128-eager", "llama", LLAMA_3_1_8B, gpus=128, device="h100-96gb", mesh={"data": 128},
+        "torchtitan-8b-fsdp128-eager", "llama", LLAMA_3_1_8B, gpus=128, device="h100-96gb+expandable",
+        mesh={"data": 128},
         global_batch=256, seq=8192, precision="bf16 mixed", recompute="selective-op", data_parallel="fsdp",
         compiled=False, tokens_per_s_per_gpu=5605, memory_gib=67.0, memory_budget=92e9,
         source=TORCHTITAN + ", Table 3, row FSDP", note="the same run without torch.compile"),
     PublishedRun(
-        "torchtitan-8b-fsdp8-tp8", "llama", LLAMA_3_1_8B, gpus=64, device="h100-96gb",
+        "torchtitan-8b-fsdp8-tp8", "llama", LLAMA_3_1_8B, gpus=64, device="h100-96gb+expandable",
         mesh={"data": 8, "tensor": 8},
         global_batch=96, seq=8192, precision="bf16 mixed", recompute="selective-op", data_parallel="fsdp",
         compiled=True, tokens_per_s_per_gpu=4378, memory_budget=92e9, layout="tensor-parallel",
         source=ASYNC_TP + ", table Llama3 8b, row None (bfloat16), vanilla TP",
         note="8 nodes, TP inside a node; local batch 12 per data rank; memory not published"),
     PublishedRun(
-        "torchtitan-70b-fsdp32-tp8", "llama", LLAMA_3_1_70B, gpus=256, device="h100-96gb",
+        "torchtitan-70b-fsdp32-tp8", "llama", LLAMA_3_1_70B, gpus=256, device="h100-96gb+expandable",
         mesh={"data": 32, "tensor": 8}, global_batch=512, seq=8192, precision="bf16 mixed", recompute="full",
         data_parallel="fsdp", compiled=True, tokens_per_s_per_gpu=597.3, memory_budget=92e9,
         layout="tensor-parallel", source=ASYNC_TP + ", table Llama3 70b, row None (bfloat16), vanilla TP",

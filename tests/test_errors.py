@@ -15,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
+from autojigsaw.plan import format_bytes
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .hf_models import hf_model
@@ -648,3 +649,22 @@ def test_layer_drop_drawn_with_pythons_random_is_refused():
     ids = torch.randint(0, 32, (4, 8))
     with pytest.raises(ValueError, match=r"random\.uniform at .*modeling_musicgen\.py:\d+.*layerdrop=0\.0"):
         autojigsaw.plan(tf.MusicgenForCausalLM(cfg).train(), (ids,), {"tensor": 2}, device="cpu")
+
+
+def test_an_fsdp_parameter_is_listed_as_the_shards_it_keeps_and_the_copy_gathered_where_memory_peaks():
+    """On data=64 FSDP keeps 1/64 of a weight's fp32 master and Adam states, and gathers a bf16 copy only
+    while its unit runs: the error lists both at the peak, not every copy the step ever makes at once."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=32000, use_cache=False)
+    with torch.device("meta"):
+        model, ids = tf.LlamaForCausalLM(cfg), torch.zeros(64, 128, dtype=torch.long)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with pytest.raises(ValueError) as e:
+        autojigsaw.plan(model, (ids,), {"data": 64}, device="h100", example_kwargs={"labels": ids},
+                        data_parallel="fsdp", memory_budget=2**20, mp_policy=bf16)
+    numel = 32000 * 256
+    kept, gathered = format_bytes(numel * (4 + 2 * 4) / 64), format_bytes(numel * 2)  # master + states; bf16 copy
+    assert f"model.embed_tokens.weight ({format_bytes(numel * 12 / 64 + numel * 2)}: {kept} kept to the optimizer " \
+           f"step, {gathered} in use there)" in str(e.value), str(e.value)

@@ -1,14 +1,16 @@
 """The planner's prediction for a published, measured run: torchtitan's Llama 3.1 8B on 8 H100s.
 
-pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP on 8 GPUs, local
-batch 2 x 8192 tokens, bf16 mixed precision, selective activation checkpointing: 6,667 tokens/s
-per GPU at 77.0 GiB. Planned on the meta device with `device="h100"`, as a user would call it.
-benchmarks/published.py compares fifteen more runs (torchtitan on 128 GPUs and tensor parallel on 64 and 256,
-MosaicML's MPT with FSDP on 8 and 128 H100s, Megatron-LM tensor parallel on 8-256 A100s).
+pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP on 8 GPUs (96 GB HBM2e),
+local batch 2 x 8192 tokens, bf16 mixed precision, torchtitan's selective activation checkpointing
+("selective-op"), the caching allocator's expandable segments: 6,667 tokens/s per GPU at 77.0 GiB reserved
+compiled, 5,762 at 82.4 GiB eager. Planned on the meta device as a user would call it.
+benchmarks/published.py compares the other published runs (torchtitan on 128 GPUs and tensor parallel on 64
+and 256, MosaicML's MPT with FSDP on 8 and 128 H100s, Megatron-LM on 8-3072 A100s).
 """
 
 import logging
 
+import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
@@ -19,25 +21,46 @@ from benchmarks.published import build, plan_options, tiny
 from benchmarks.published_runs import run_named
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def test_torchtitan_llama3_8b_on_8_h100_is_predicted_within_25_percent():
+def _llama_3_1_8b():
     import transformers as tf
 
     cfg = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                          rope_theta=500000.0, use_cache=False)
     with torch.device("meta"):
-        model = tf.LlamaForCausalLM(cfg)
-        ids = torch.zeros(16, 8192, dtype=torch.long)
-    plan = autojigsaw.plan(model, (ids,), {"data": 8}, device="h100", example_kwargs={"labels": ids},
-                           memory_budget=92e9, data_parallel="fsdp", activation_checkpointing="selective",
-                           mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    tokens_per_gpu = 16 * 8192 / plan.step_time / 8
-    assert abs(tokens_per_gpu / 6667 - 1) <= 0.25, tokens_per_gpu
-    assert abs(plan.memory_per_rank / 2**30 / 77.0 - 1) <= 0.20, plan.memory_per_rank / 2**30
-    assert plan.recompute_summary() == "selective on model.layers.{0..31} (x32)"
+        return tf.LlamaForCausalLM(cfg), torch.zeros(16, 8192, dtype=torch.long)
+
+
+@pytest.mark.parametrize("device, reserved_gib", [("h100-96gb+expandable+compile", 77.0),
+                                                 ("h100-96gb+expandable", 82.4)])
+def test_torchtitan_llama3_8b_on_8_h100_reserved_memory_within_10_percent(device, reserved_gib):
+    """Memory as torchtitan publishes it, torch.cuda.max_memory_reserved: compiled and eager; the compiled
+    run's step within 25 % (benchmarks/published.py reports every run's)."""
+    model, ids = _llama_3_1_8b()
+    plan = autojigsaw.plan(model, (ids,), {"data": 8}, device=device, example_kwargs={"labels": ids},
+                           memory_budget=92e9, data_parallel="fsdp", activation_checkpointing="selective-op",
+                           mp_policy=BF16)
+    assert abs(plan.memory_per_rank / 2**30 / reserved_gib - 1) <= 0.10, plan.memory_per_rank / 2**30
+    assert plan.memory_allocated < plan.memory_per_rank
+    assert plan.recompute_summary() == "selective-op on model.layers.{0..31} (x32)"
     assert plan.precision == "bf16 compute, fp32 masters, fp32 gradient sums" and plan.data_parallel == "fsdp"
+    if device.endswith("+compile"):
+        tokens_per_gpu = 16 * 8192 / plan.step_time / 8
+        assert abs(tokens_per_gpu / 6667 - 1) <= 0.25, tokens_per_gpu
+
+
+def test_keeping_every_matmul_output_of_that_run_does_not_fit_an_80_gb_h100():
+    """"selective" (every matmul output kept; torchtitan recomputes every second one) on the 80 GB part:
+    about 87 GiB allocated, more reserved, where the plan counted 83 GiB when it priced bytes live and
+    missed the cross-entropy's backward temporary (7.8 GiB)."""
+    model, ids = _llama_3_1_8b()
+    with pytest.raises(ValueError, match="as torch's CUDA caching allocator holds memory"):
+        autojigsaw.plan(model, (ids,), {"data": 8}, device="h100", example_kwargs={"labels": ids},
+                        memory_budget=92e9, data_parallel="fsdp", activation_checkpointing="selective",
+                        mp_policy=BF16)
 
 
 def test_a_tensor_parallel_run_is_priced_in_its_own_layout():

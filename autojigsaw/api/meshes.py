@@ -35,7 +35,7 @@ def plan_on_gpus(model: torch.nn.Module, args: tuple, kwargs: dict, world: int, 
     if world < 1:
         raise ValueError(f"a mesh of {world} GPUs: give a positive number of GPUs, or a mesh")
     device = options.device_spec()
-    budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
+    budget = options.budget()
     batch = batch_size(args, kwargs)
     alone = MeshSpec(("tensor",), (1,))
     one = capture_for(model, *microbatch_of(args, kwargs, batch), _on(alone, options).regime(alone))

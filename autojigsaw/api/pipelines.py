@@ -95,7 +95,7 @@ def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh
     sub = stage_mesh(mesh)
     regime = options.regime(sub)
     device = options.device_spec()
-    budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
+    budget = options.budget()
     choice = PipelineChoice(None if options.pipeline_schedule is None else schedule_name(options.pipeline_schedule),
                             options.microbatches, options.virtual_stages)
     stage_options = replace(options, pipeline_schedule=None, microbatches=None, virtual_stages=None)

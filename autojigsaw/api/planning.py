@@ -22,6 +22,7 @@ from ..options import Options, check_imbalance
 from ..plan import Plan
 from ..planner.assemble import assemble, fixed_solution
 from ..planner.recompute import with_layers_recomputed
+from ..planner.reserved import allocator_facts, footprint
 from ..strategies.annotate import annotate
 from ..training import Precision, Regime
 
@@ -111,7 +112,9 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     nodes = [by_name[name] for name in problem.names]
     problem = with_layers_recomputed(problem, nodes, repeated_layers(nodes, captured.params), plan.recompute)
-    evaluated = with_regime(assemble(captured, problem, fixed_solution(problem, plan), ctx, plan.memory_budget),
-                            ctx, plan.recompute)
+    solution = fixed_solution(problem, plan)
+    facts = allocator_facts(nodes, captured.params, problem.grad, ctx.device, training=plan.training)
+    held = footprint(problem, solution.choice, facts, ctx.device, plan.memory_budget or ctx.device.memory_bytes)
+    evaluated = with_regime(assemble(captured, problem, solution, ctx, plan.memory_budget, held), ctx, plan.recompute)
     evaluated = replace(evaluated, moe_imbalance=imbalance)
     return with_data_traffic(with_traffic(evaluated, captured), captured, ctx, problem.grad)

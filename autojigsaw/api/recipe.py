@@ -27,6 +27,7 @@ from ..planner import build_problem, solve
 from ..planner.assemble import assemble
 from ..planner.errors import infeasible_error
 from ..planner.recompute import solve_with_recompute
+from ..planner.reserved import Fitted, allocator_facts, footprint, solve_reserved
 from ..rewrite.rewrite import rewrite
 from ..rewrite.traffic import traffic_by_origin
 from ..strategies.annotate import annotate
@@ -75,7 +76,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     """
     device, regime = options.device_spec(), options.regime(mesh)
     regime = replace(regime, fsdp_once=stage and regime.fsdp, accumulates=stage or (options.microbatches or 1) > 1)
-    budget = int(options.memory_budget if options.memory_budget is not None else 0.9 * device.memory_bytes)
+    budget = options.budget()
     t0 = time.perf_counter()
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}
     annotate(captured.gm, mesh, data_pins(captured, mesh, fixed),
@@ -85,22 +86,37 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime, options.moe_imbalance)
     problem = _problem(captured, ctx, options.tie_layers)
     t2 = time.perf_counter()
-    nodes = {n.name: n for n in captured.gm.graph.nodes}
     policy = regime.recompute if options.training else "none"
     held = _in_flight(problem, captured, in_flight)
-    solver = options.solver or solve
-    chosen = solve_with_recompute(problem, [nodes[name] for name in problem.names], captured.params, policy,
-                                  budget, lambda p, b, **kw: solver(held(p), b, mip_gap=options.mip_gap, **kw))
+    fitted = _solve_fitting(captured, problem, options, ctx, held, policy, budget)
+    chosen = fitted.chosen
     problem, solution = held(chosen.problem), chosen.solution
     if solution is None:
-        raise infeasible_error(captured, problem, mesh, budget, recompute=policy)
+        raise infeasible_error(captured, problem, mesh, budget, recompute=policy, reserved=fitted.footprint)
     t3 = time.perf_counter()
-    planned = with_regime(assemble(captured, problem, solution, ctx, budget), ctx, chosen.layers)
+    planned = with_regime(assemble(captured, problem, solution, ctx, budget, fitted.footprint), ctx, chosen.layers)
     planned = replace(planned, moe_imbalance=options.moe_imbalance)
     planned = with_data_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
     return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
                                             problem.n_groups, problem.n_binaries, solution.solves,
                                             len(solution.cuts), solution.gap))
+
+
+def _solve_fitting(captured: Captured, problem, options: Options, ctx: CostContext, held, policy: str,
+                   budget: int) -> Fitted:
+    """The fastest plan (recomputation chosen with it) that fits `budget`: as bytes live, and on a device
+    with torch's CUDA caching allocator as it reserves them (planner/reserved.py)."""
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    nodes = [by_name[name] for name in problem.names]
+    solver = options.solver or solve
+    facts = allocator_facts(nodes, captured.params, problem.grad, ctx.device, training=options.training)
+
+    def solve_under(bound: float):
+        return solve_with_recompute(problem, nodes, captured.params, policy, bound,
+                                    lambda p, b, **kw: solver(held(p), b, mip_gap=options.mip_gap, **kw))
+
+    return solve_reserved(solve_under, budget,
+                          lambda c: footprint(held(c.problem), c.solution.choice, facts, ctx.device, budget))
 
 
 def with_traffic(plan: Plan, captured: Captured) -> Plan:

@@ -63,7 +63,8 @@ def _memory(ax, plan: autojigsaw.Plan, kinds: dict[str, np.ndarray]) -> None:
                  alpha=0.85)
     peak = int(np.argmax(total))
     ax.plot([peak], [total[peak] / scale], "k*", markersize=12)
-    ax.annotate(f"peak {plan.memory_per_rank / scale:.2f} {unit}\n{plan.peak_at}", (peak, total[peak] / scale),
+    reserved = "" if plan.memory_allocated is None else f" live, {plan.memory_per_rank / scale:.2f} reserved"
+    ax.annotate(f"peak {total[peak] / scale:.2f} {unit}{reserved}\n{plan.peak_at}", (peak, total[peak] / scale),
                 textcoords="offset points", xytext=(8, 8), fontsize=8)
     budget = plan.memory_budget
     top = max(total.max(), budget if budget and budget <= 2 * total.max() else 0) * 1.2 / scale

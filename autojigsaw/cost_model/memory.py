@@ -167,7 +167,7 @@ def _probe(op, args_sig, kwargs_sig) -> Saved:
     except Exception:  # noqa: BLE001 - an op meta cannot run: assume it keeps its inputs
         return Saved(frozenset(range(len(tensors))))
     outs = [o for o in pytree.tree_leaves(out)]
-    ins, kept_out, extra = set(), set(), 0
+    ins, kept_out, extra, extras = set(), set(), 0, []
     for t in saved:
         i = next((i for i, x in enumerate(tensors) if torch._C._is_alias_of(t, x)), None)
         o = next((j for j, x in enumerate(outs) if isinstance(x, torch.Tensor) and torch._C._is_alias_of(t, x)),
@@ -176,7 +176,8 @@ def _probe(op, args_sig, kwargs_sig) -> Saved:
             ins.add(i)
         elif o is not None:
             kept_out.add(o)
-        else:
+        elif not any(torch._C._is_alias_of(t, x) for x in extras):  # one storage saved twice (log_softmax's
+            extras.append(t)  # output, saved again by nll_loss in a cross-entropy) is kept once
             extra += t.numel() * t.element_size()
     first = next((o for o in outs if isinstance(o, torch.Tensor)), None)
     out_bytes = math.prod(first.shape) * first.element_size() if first is not None else 0

@@ -162,9 +162,9 @@ class _StepItems:
         self.out_bytes = [self.vec.out_bytes(node, strategies[i]) for i, node in enumerate(nodes)]
         self.root = _storage_roots(nodes, self.index)
         self.numel = [sum(math.prod(v.shape) for v in output_values(node) if v is not None) for node in nodes]
+        self.loss_returned = _returns_loss(nodes)
         self._find_reads()
         self.gathered_span = _gathered_spans(nodes, params)
-        self.loss_returned = _returns_loss(nodes)
         self.savers: dict[int, list[Member]] = {}  # storage root -> the readers that save it for backward
 
     def fwd(self, i: int) -> int:
@@ -182,12 +182,20 @@ class _StepItems:
         self.first_read: dict[int, int] = {}
         self.grad_from: dict[int, int] = {}
         for k, node in enumerate(self.nodes):
-            for src, _ in tensor_inputs(node):
+            for src, o in tensor_inputs(node):
                 r = self.root[self.index[src]]
                 self.last_read[r] = max(self.last_read[r], self.fwd(k))
                 self.first_read.setdefault(r, self.fwd(k))
-                if self.grad.get(src.name, False) and (node.op == "output" or self.grad.get(node.name, False)):
+                if self.grad.get(src.name, False) and self._backpropagated(node, src, o):
                     self.grad_from[r] = min(self.grad_from.get(r, self.bwd(k)), self.bwd(k))
+
+    def _backpropagated(self, node: Node, src: Node, o: int) -> bool:
+        """Does autograd send a gradient through `node`'s read of output o of `src`? The output sends one
+        to what it returns, but a model that returns its loss is backpropagated from the loss alone: the
+        logits returned beside it get theirs from the loss's nodes that read them."""
+        if node.op == "output":
+            return not self.loss_returned or output_values(src)[o].ndim == 0
+        return self.grad.get(node.name, False)
 
     # ------------------------------------------------------------ reads
 

@@ -9,6 +9,7 @@ from torch.fx import Node
 from ..capture import Captured
 from ..capture.routed_experts import OP as ROUTED_EXPERTS
 from ..cost_model.compute import ATTENTION, MATMULS, NORMS, SOFTMAX
+from ..cost_model.allocations import Footprint
 from ..cost_model.estimate import CostContext
 from ..cost_model.symbolic import name_sizes
 from ..ir import output_values, tensor_inputs
@@ -68,9 +69,11 @@ def _choice_of(problem: Problem, plan: Plan) -> np.ndarray:
     return np.array(choice, dtype=np.int64)
 
 
-def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: CostContext, budget: int | None) -> Plan:
+def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: CostContext, budget: int | None,
+             footprint: Footprint | None = None) -> Plan:
     """A Plan with the chosen strategies, their predicted costs (traffic filled in later) and
-    an explainer (Plan.explain) holding the planner's data."""
+    an explainer (Plan.explain) holding the planner's data. `footprint`: the plan's peaks as the
+    device's caching allocator holds them (planner/reserved.py), None on a device without one."""
     nodes = {n.name: n for n in captured.gm.graph.nodes}
     choice = solution.choice
     comm_in = np.zeros(len(problem.names))
@@ -99,8 +102,9 @@ def assemble(captured: Captured, problem: Problem, solution: Solution, ctx: Cost
         param_placements={fqn: by_name[ph].output for ph, fqn in captured.params.items()},
         input_placements=tuple(by_name[ph].output for ph in captured.inputs),
         output_placements=by_name[out_node.name].inputs,
-        memory_per_rank=int(round(solution.peak_memory)), comm_bytes=0,
+        memory_per_rank=footprint.reserved if footprint else int(round(solution.peak_memory)), comm_bytes=0,
         step_time=float(solution.objective), memory_budget=budget,
-        peak_at=problem.memory.describe(solution.peak_point),
+        peak_at=problem.memory.describe(footprint.point if footprint else solution.peak_point),
+        memory_allocated=footprint.allocated if footprint else None,
         explainer=Explainer(nodes_in_order, problem, solution, ctx, sizes, budget, problem.grad),
     )

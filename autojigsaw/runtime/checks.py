@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..capture import Captured
 from ..capture.order import without_device_indices
 from ..mesh import MeshSpec
+from ..options import HEADROOM
 from ..plan import Plan
 from ..training import Regime
 from .exchange import from_every_rank
@@ -27,13 +28,14 @@ def device_of(mesh) -> str:
 
 
 def default_budget(device_mesh) -> int:
-    """Bytes per rank to plan under when none is given: 90 % of what the emptiest rank's device has
-    free (a GPU's free memory; on CPU the host's memory shared by the ranks on this host)."""
+    """Bytes per rank to plan under when none is given: all but HEADROOM of what the emptiest rank's
+    device has free (a GPU's free memory; on CPU the host's memory shared by the ranks on this host)."""
+    share = 1 - HEADROOM
     if getattr(device_mesh, "device_type", "cpu") == "cuda" and torch.cuda.is_available():
-        mine = int(0.9 * torch.cuda.mem_get_info()[0])
+        mine = int(share * torch.cuda.mem_get_info()[0])
     else:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-        mine = int(0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_ranks, 1))
+        mine = int(share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local_ranks, 1))
     if not dist.is_initialized():
         return mine
     return min(from_every_rank(mine, "the ranks' free memory"))  # one plan for all: it must fit the emptiest
