@@ -201,8 +201,8 @@ def _resume(name: str, mesh: tuple, plan: str, path: str, steps_before: int, *, 
 
 def _fsdp_modules(pmodel) -> list:
     """The FSDP modules that run this rank's program(s): its pipeline stages' or its program's units."""
-    if pmodel._pipeline is not None:
-        return [m for stage in pmodel._pipeline.stages for m in stage.submod.modules()]
+    if pmodel.pipeline is not None:
+        return [m for stage in pmodel.pipeline.stages for m in stage.submod.modules()]
     units = pmodel.program.units
     return [] if units is None else list(units.root.modules())
 

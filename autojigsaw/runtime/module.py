@@ -188,6 +188,12 @@ class ParallelModule(nn.Module):
         eval mode, ...), each program once however many such keys it serves."""
         return tuple({id(p): p for p in self._programs.values()}.values())
 
+    @property
+    def pipeline(self) -> PipelineRun | None:
+        """With a pipe axis, this rank's pipeline stages under their schedule (read-only): `.stages`, PyTorch's
+        PipelineStage objects, whose `.submod` runs each; None without one."""
+        return self._pipeline
+
     def _use(self, program: Program) -> None:
         self.plan, self.precision = program.plan, program.precision
         # a plain attribute: the graph modules it holds stay out of the module tree (modules(), print, hooks,
