@@ -24,7 +24,7 @@ from .strategies.constraints import check_constraints, describe_constraints
 from .training import DataParallel, RecomputePolicy, Regime
 
 DEFAULT_DEVICE = "h100"  # the spec a plan is priced on when `device` is None and no mesh says otherwise
-# What the default budget leaves free (docs/benchmarks.md, "Memory as the caching allocator holds it"): the
+# What the default budget leaves free (docs/predictions.md, "Memory as the caching allocator holds it"): the
 # reserved peaks plans predict were up to 4.9 % under torchtitan's four published ones (and up to 3.8 % over);
 # the other 5 % hold what the caching allocator never sees, NCCL's buffers (made at the first collective,
 # after the budget is read) and CUDA's own workspaces.

@@ -294,7 +294,7 @@ _STREAM = Efficiency(0.90)
 _OVERLAP_SLOWDOWN = 0.189
 _HOPPER_KERNELS = (("matmul", _HOPPER_GEMM), ("attention", _HOPPER_ATTENTION), ("memory", _STREAM),
                    ("optimizer", _STREAM))
-# Hopper's one parameter fitted on a published run (benchmarks/published.py, docs/benchmarks.md): whole
+# Hopper's one parameter fitted on a published run (benchmarks/published.py, docs/predictions.md): whole
 # training steps reach 0.792 of the GEMM and FlashAttention-2 rates the microbenchmarks above measure
 # (sustained clocks under a step's power draw are below a microbenchmark's), fitted on torchtitan-8b-fsdp8
 # (torchtitan's Llama 3.1 8B on 8 GPUs, compiled: 86 % of its predicted step in GEMMs and attention). Every
