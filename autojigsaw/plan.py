@@ -87,7 +87,12 @@ class PlanStats:
 
     def proof(self) -> str:
         """What the solve proved: "optimal", or "within 0.4 % of optimal"."""
-        return "optimal" if self.gap <= 0 else f"within {100 * self.gap:.2g} % of optimal"
+        return proof_text(self.gap)
+
+
+def proof_text(gap: float) -> str:
+    """"optimal" for a gap of 0, else "within 0.4 % of optimal"."""
+    return "optimal" if gap <= 0 else f"within {100 * gap:.2g} % of optimal"
 
 
 @dataclass(frozen=True)
@@ -112,12 +117,13 @@ class Plan:
     `memory_per_rank` (peak bytes, at `peak_at`: on a device with torch's CUDA caching allocator the
     bytes it reserves, torch.cuda.max_memory_reserved, and `memory_allocated` those it hands out,
     max_memory_allocated; elsewhere the bytes live, and `memory_allocated` None), `comm_bytes` (bytes
-    sent), `step_time` (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer, "selective" |
-    "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the regime; `stats`: how
-    planning went; `explainer`: the planner's data behind `explain`; `microbatches` per data replica
-    and step (gradient accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients
-    once per step, outside the graph (FSDP's, DDP's under accumulation); `alternatives`: given a number
-    of GPUs for the mesh, the other meshes tried (autojigsaw.plan.MeshChoice); `pipeline`: with a pipe axis, the stages
+    sent), `step_time` (seconds), under `memory_budget` (bytes). `precision`, `recompute` ((layer,
+    "selective" | "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the
+    regime; `stats`: how planning went; `gap`: what its solve proved (0: optimal; kept in its JSON);
+    `explainer`: the planner's data behind `explain`; `microbatches` per data replica and step (gradient
+    accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients once per step,
+    outside the graph (FSDP's, DDP's under accumulation); `alternatives`: given a number of GPUs for the
+    mesh, the other meshes tried (autojigsaw.plan.MeshChoice); `pipeline`: with a pipe axis, the stages
     (autojigsaw.plan.Pipeline), each with its plan on the other axes; `moe_imbalance`: the routing that
     routed experts' times and bytes are predicted at (Options.moe_imbalance). print() gives the table.
 
@@ -149,6 +155,7 @@ class Plan:
     alternatives: tuple[MeshChoice, ...] = field(default=(), compare=False)  # the meshes a chosen mesh beat
     pipeline: Pipeline | None = None  # the stages over a pipe axis, each with its plan on the other axes
     moe_imbalance: float = 1.0  # the routing routed experts are priced at: busiest rank's tokens / mean
+    gap: float | None = field(default=None, compare=False)  # what its solve proved (0: optimal); None: not solved
 
     def __getstate__(self) -> dict:
         """Plain data only: the planner's explainer stays with the process that planned."""
@@ -256,7 +263,7 @@ class Plan:
             + (f" at the {self.peak_at}" if self.peak_at else "") + f"; {len(self.fallbacks)} fallback node(s)"
             + f"\nlayout: {self.layout()}\nprecision: {self.precision}; recompute: {self.recompute_summary()}"
             + (f"; data axis: {self.data_parallel}" if self.data_parallel else "")
-            + (f"; plan {self.stats.proof()}" if self.stats is not None else "")
+            + (f"; plan {proof_text(self.gap)}" if self.gap is not None else "")
         )
 
     def _allocated(self) -> str:
@@ -284,8 +291,8 @@ class Plan:
     def summary_line(self) -> str:
         """One line: mesh, layout, predicted step time, memory and bytes, and what the solve proved (what
         parallelize logs): "...; plan optimal" or "...; plan within 0.4 % of optimal"."""
-        proof = "" if self.stats is None else f"; plan {self.stats.proof()}" + (
-            " (from the plan cache)" if self.stats.from_cache else "")
+        proof = "" if self.gap is None else f"; plan {proof_text(self.gap)}" + (
+            " (from the plan cache)" if self.stats is not None and self.stats.from_cache else "")
         return (f"autojigsaw: {self.mesh.describe()} on {self.device}: {self.layout()}; predicted step "
                 f"{format_seconds(self.step_time)}, peak {format_bytes(self.memory_per_rank)}/rank{self._allocated()}, "
                 f"{format_bytes(self.comm_bytes)} sent/rank/step; {len(self.fallbacks)} fallback node(s)" + proof)
@@ -354,6 +361,8 @@ class Plan:
             data["sums_once"] = True
         if self.moe_imbalance != 1.0:
             data["moe_imbalance"] = self.moe_imbalance
+        if self.gap is not None:
+            data["gap"] = self.gap
         if self.pipeline is not None:
             pipe = self.pipeline
             data["pipeline"] = {**{k: getattr(pipe, k) for k in ("axis", "schedule", "microbatches", "virtual_stages",
@@ -395,6 +404,7 @@ class Plan:
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
             data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1),
             sums_once=d.get("sums_once", False), pipeline=pipeline, moe_imbalance=d.get("moe_imbalance", 1.0),
+            gap=d.get("gap"),
             memory_allocated=d.get("memory_allocated"),
         )
 

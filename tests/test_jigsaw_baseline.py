@@ -232,7 +232,7 @@ def _zero_redundancy_plan(model, x, jigsaw_pins):
     """The planner's free choice under the memory of the Jigsaw layout (pinned), bytes deciding."""
     options = dict(input_placements=QUARTERS, output_placements=QUARTERS, device=BANDWIDTH_BOUND)
     budget = pinned_plan(model, (x,), MESH, jigsaw_pins, **options).memory_per_rank
-    return autojigsaw.plan(model, (x,), MESH, memory_budget=budget, **options)
+    return autojigsaw.plan(model, (x,), MESH, memory_budget=budget, mip_gap=0, **options)  # the optimum's layout
 
 
 def _same_placements(plan, jigsaw_pins) -> None:

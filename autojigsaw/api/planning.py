@@ -78,7 +78,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence, mesh, *, example_kwar
 
 def best_mesh(model: torch.nn.Module, example_inputs: Sequence, world_size: int, *,
               example_kwargs: Mapping | None = None, **options) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The mesh `plan(model, inputs, world_size, ...)` chooses, as init_device_mesh takes it: (sizes, names).
+    """The mesh `plan(model, example_inputs, world_size, example_kwargs=..., **options)` chooses for
+    `world_size` GPUs, as init_device_mesh takes it: (sizes, names).
 
         sizes, names = autojigsaw.best_mesh(model, (x,), 512, device="a100", gpus_per_node=8)
         mesh = init_device_mesh("cuda", sizes, mesh_dim_names=names)

@@ -97,9 +97,9 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     planned = with_regime(assemble(captured, problem, solution, ctx, budget, fitted.footprint), ctx, chosen.layers)
     planned = replace(planned, moe_imbalance=options.moe_imbalance)
     planned = with_data_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
-    return replace(planned, stats=PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes,
-                                            problem.n_groups, problem.n_binaries, solution.solves,
-                                            len(solution.cuts), solution.gap))
+    stats = PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes, problem.n_groups,
+                      problem.n_binaries, solution.solves, len(solution.cuts), solution.gap)
+    return replace(planned, gap=solution.gap, stats=stats)
 
 
 def _solve_fitting(captured: Captured, problem, options: Options, ctx: CostContext, held, policy: str,
