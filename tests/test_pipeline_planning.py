@@ -53,6 +53,10 @@ def test_a_pipelined_plan_names_its_stages_schedule_and_bubble(one_f_one_b):
     assert layers == [f"model.layers.{i}" for i in range(4)]
     assert [st.rank for st in pipe.stages] == [0, 1] and [st.in_flight for st in pipe.stages] == [2, 1]
     assert 0 < pipe.bubble < 1 and plan.step_time > max(st.forward_s + st.backward_s for st in pipe.stages) * 4
+    # a GPU spec: a pipe rank's reserved and allocated peaks are its own stages', allocated within reserved
+    assert plan.memory_per_rank == max(st.plan.memory_per_rank for st in pipe.stages)
+    assert plan.memory_allocated == max(st.plan.memory_allocated for st in pipe.stages) <= plan.memory_per_rank
+    assert plan.gap == max(st.plan.gap for st in pipe.stages)
     text = str(plan)
     assert "pipeline over pipe=2: 1F1B, 4 microbatch(es)" in text and "stage 1 (" in text
     assert max(len(line) for line in text.splitlines()) <= 120

@@ -316,7 +316,11 @@ def pipelined(mesh: MeshSpec, pipeline: Pipeline, step_time: float, memory: list
             for r in range(pipeline.ranks)]
     params = {k: v for st in stages for k, v in st.plan.param_placements.items()}
     worst = int(np.argmax(memory))
+    allocated = None if any(st.plan.memory_allocated is None for st in stages) else max(
+        sum(st.plan.memory_allocated for st in stages if st.rank == r) for r in range(pipeline.ranks))
+    gaps = [st.plan.gap for st in stages]
     return replace(whole, mesh=mesh, nodes=tuple(nodes), param_placements=params,
+                   memory_allocated=allocated, gap=None if None in gaps else max(gaps),
                    input_placements=stages[0].plan.input_placements,
                    output_placements=stages[-1].plan.output_placements,
                    memory_per_rank=max(memory), comm_bytes=max(sent), step_time=step_time, memory_budget=budget,
