@@ -100,7 +100,7 @@ def constrain(captured: Captured, mesh: MeshSpec, constraints: Mapping | None, a
               f"{pin.fqn} in {_allowed_text(pin, mesh)}")
     keep_reads_split(gm, {by_name[ph]: pin for ph, pin in pins.items()}, mesh)
     for key, value in constraints.items():
-        if callable(value) and not isinstance(value, ParallelStyle):
+        if _of_nodes(value):
             _filter_nodes(gm, by_name, key, value, stage)
 
 
@@ -110,7 +110,7 @@ def check_constraints_match(model: torch.nn.Module, constraints: Mapping | None)
     fqns = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules(remove_duplicate=False))
     for key, value in (constraints or {}).items():
-        if not (callable(value) and not isinstance(value, ParallelStyle)) and not _matches_any(key, fqns, modules):
+        if not _of_nodes(value) and not _matches_any(key, fqns, modules):
             raise _unmatched(key, fqns)
 
 
@@ -129,7 +129,7 @@ def param_pins(captured: Captured, mesh: MeshSpec, constraints: Mapping, axis_na
     for own in (False, True):  # module entries, then parameter entries (which win)
         settled: dict[str, ParamPin] = {}
         for key, value in constraints.items():
-            if callable(value) and not isinstance(value, ParallelStyle):
+            if _of_nodes(value):
                 continue
             for fqn, rule in _targets(key, value, fqns, modules, own):
                 ph = fqns[fqn]
@@ -140,7 +140,7 @@ def param_pins(captured: Captured, mesh: MeshSpec, constraints: Mapping, axis_na
                 settled[ph] = pin
         pins.update(settled)
     for key, value in constraints.items():
-        if not (stage or callable(value) and not isinstance(value, ParallelStyle) or _matches_any(key, fqns, modules)):
+        if not (stage or _of_nodes(value) or _matches_any(key, fqns, modules)):
             raise _unmatched(key, fqns)
     return pins
 
@@ -246,6 +246,11 @@ def _keep(node: Node, keep: Callable[[Strategy], bool], entry: str, what: str) -
         raise ValueError(f"constraints[{entry!r}] cannot hold at node {node.name} ({what}): none of its "
                          f"{len(node.meta[STRATEGIES])} strategies does (e.g. {offered}); pin another placement")
     node.meta[STRATEGIES] = kept
+
+
+def _of_nodes(value) -> bool:
+    """Whether an entry is a function of a node's strategies (keyed by node name), not a weight's layout."""
+    return callable(value) and not isinstance(value, ParallelStyle)
 
 
 def _matches(key: str, name: str) -> bool:
