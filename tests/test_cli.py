@@ -2,6 +2,7 @@
 does not (exit 1), usage errors (exit 2); models from a transformers type, a config file or a function."""
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,14 @@ def test_when_nothing_tried_fits_it_says_so(capsys):
 def test_a_usage_error_exits_2_naming_the_argument(argv, message, capsys):
     status, _, err = _run([*STACK, "--seq", "8", *argv], capsys)
     assert status == 2 and message in err, err
+
+
+def test_the_command_leaves_the_library_logger_as_it_found_it(capsys):
+    logger = logging.getLogger("autojigsaw")
+    handlers, level = list(logger.handlers), logger.level
+    _run([*STACK, "--seq", "8", "--mesh", "tensor=2", "--batch", "0"], capsys)
+    # a handler left on the captured stderr of this test would write into a closed stream in the next
+    assert logger.handlers == handlers and logger.level == level
 
 
 def test_without_matplotlib_the_plot_says_how_to_install_it(monkeypatch, capsys, tmp_path):

@@ -9,8 +9,10 @@ when it does not, naming the smallest changes that do (found by planning).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import autojigsaw
@@ -26,13 +28,13 @@ log = logging.getLogger("autojigsaw")
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0: it fits, 1: it does not, 2: a usage error)."""
     args = parser().parse_args(argv)
-    _show_progress()
-    try:
-        run = run_of(args)
-        return _plan(args, run)
-    except (ValueError, ImportError) as e:
-        print(f"autojigsaw plan: error: {e}", file=sys.stderr)
-        return 2
+    with _progress_shown():
+        try:
+            run = run_of(args)
+            return _plan(args, run)
+        except (ValueError, ImportError) as e:
+            print(f"autojigsaw plan: error: {e}", file=sys.stderr)
+            return 2
 
 
 def _plan(args: argparse.Namespace, run) -> int:
@@ -76,13 +78,19 @@ def _save(planned: autojigsaw.Plan, args: argparse.Namespace) -> None:
         print(f"picture written to {args.plot}")
 
 
-def _show_progress() -> None:
-    """autojigsaw's log lines (a long solve's progress among them) on stderr."""
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+@contextlib.contextmanager
+def _progress_shown() -> Iterator[None]:
+    """autojigsaw's log lines (a long solve's progress among them) on stderr while the command runs."""
+    if log.handlers:  # the caller (a program calling main) already shows them
+        yield
+        return
+    handler, level = logging.StreamHandler(sys.stderr), log.level
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler), log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler), log.setLevel(level)
 
 
 __all__ = ["main"]
