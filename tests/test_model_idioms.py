@@ -23,14 +23,16 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
 from autojigsaw.capture import capture
 from autojigsaw.capture.custom_functions import TensorArg, backward_is_derivative
 from autojigsaw.capture.order import in_order, program_order
+from autojigsaw.ir import STRATEGIES
+from autojigsaw.mesh import MeshSpec
 from autojigsaw.placements import format_placements
-from autojigsaw.strategies.annotate import MAX_OUTPUT_STRATEGIES
+from autojigsaw.strategies.annotate import MAX_OUTPUT_STRATEGIES, annotate
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .hf_models import hf_model
@@ -405,6 +407,18 @@ def test_speech_masks_drawn_outside_and_passed_in_train_like_one_device(ranks2):
     ref, x, mask = _speech_inputs()
     plan = _plan_under(0.6, ref, (x,), {"mask_time_indices": mask})
     _assert_sharded_and_equal(ranks2.run(_speech_masks_train, plan.to_json()), plan)
+
+
+def test_a_write_through_a_boolean_mask_never_splits_the_dims_the_mask_covers():
+    # x[mask] = v with a [batch, frames] mask: DTensor's rule read the mask as indexing one dim and offered
+    # the frames split with the mask whole, which wrote a 15-frame mask into an 8-frame shard
+    ref, x, mask = _speech_inputs()
+    gm = capture(ref, (x,), {"mask_time_indices": mask}).gm
+    annotate(gm, MeshSpec.of({"domain": 2, "tensor": 2}))
+    [node] = [n for n in gm.graph.nodes if n.target is torch.ops.aten.index_put.default]
+    written = {s.inputs[0] for s in node.meta[STRATEGIES]}
+    assert (Shard(2), Replicate()) in written, written  # the features may split
+    assert not any(isinstance(p, Shard) and p.dim < 2 for pl in written for p in pl), written
 
 
 def _checkpointed_gpt2():

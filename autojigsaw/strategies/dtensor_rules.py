@@ -40,6 +40,9 @@ _aten = torch.ops.aten
 # Kernels that refuse an empty input, as torch.chunk leaves the last ranks (6 channels over 4: 2, 2, 2, 0).
 _NO_EMPTY_INPUT = {_aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit.default,
                    _aten.native_batch_norm.default}
+# Writes through a list of indices (self, indices, values): DTensor's rule takes a boolean mask for one
+# dim, where it covers as many dims as it has (x[mask] = v with a [batch, frames] mask covers both).
+_INDEX_PUT = {_aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
 
 
 def has_rule(op) -> bool:
@@ -67,7 +70,23 @@ def dtensor_strategies(
         pairs = [(ins, outs) for ins, outs in pairs
                  if all(math.prod(local_shape(shape, ins[0], mesh.sizes, c)) > 0
                         for c in itertools.product(*map(range, mesh.sizes)))] or None
+    if pairs and node.target in _INDEX_PUT:
+        masked = _mask_covered_dims(node.args[1])
+        pairs = [(ins, outs) for ins, outs in pairs
+                 if not any(isinstance(p, Shard) and p.dim in masked for p in ins[0])] or None
     return pairs
+
+
+def _mask_covered_dims(indices) -> set[int]:
+    """The dims of `self` that boolean masks among index_put's `indices` cover (each its ndim dims)."""
+    covered, dim = set(), 0
+    for index in indices:
+        val = index.meta.get("val") if isinstance(index, Node) else None
+        mask = val is not None and val.dtype == torch.bool
+        if mask:
+            covered.update(range(dim, dim + val.ndim))
+        dim += val.ndim if mask else 1
+    return covered
 
 
 def _strategies_of(node: Node, mesh: MeshSpec, candidates: dict[Node, Sequence[Placements]]):
