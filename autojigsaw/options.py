@@ -82,8 +82,8 @@ class Options:
       is a ValueError naming it.
     - `constraints_axis`: the mesh axis a style applies to; None: the one named "tensor" or "tp".
     - `mip_gap`: the solve ends at a plan proven within this relative gap of the fastest plan (0.01: within
-      1 %, the cost model's own error is several times that; 0: proven optimal). `plan.stats.gap` and the
-      summary line say what was proven ("optimal", "within 0.4 % of optimal").
+      1 %, the cost model's own error is several times that; 0: proven optimal). `plan.gap` (a pipeline's:
+      its stages' largest) and the summary line say what was proven ("optimal", "within 0.4 % of optimal").
     - `moe_imbalance`: the routing routed experts (mixture of experts) are priced at, as the busiest
       rank's routed tokens over the mean: 1.0 balanced; the expert group's size, every token to one
       rank's experts. Their all-to-alls and grouped GEMMs are priced, and their bytes stated, at that rank.
