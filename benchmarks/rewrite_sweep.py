@@ -7,7 +7,8 @@ uneven shards the graphs differ. Here random models of tests/fuzz_models.py are 
 {"tensor": 2}, {"domain": 2}, {"domain": 2, "tensor": 2} and {"domain": 4}, each input pinned
 to a random legal placement (split along a random dim on some axes), under a budget drawn
 between 0.3 and 1.0 of the model's one-rank memory; every plan is rewritten for every mesh
-coordinate and each graph linted (`Graph.lint`: every value defined before it is used). It
+coordinate and each graph linted (`Graph.lint`: every value defined before it is used), as
+planning does under AUTOJIGSAW_CHECK_RANKS=1 (autojigsaw/rewrite/every_rank.py). It
 prints a line per failure and a count of plans, refusals (a ValueError from the planner: no
 plan fits, or a pin it cannot keep) and failures by exception type; failures exit 1.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import itertools
+import os
 import random
 import sys
 import traceback
@@ -30,9 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 import autojigsaw  # noqa: E402
-from autojigsaw.api import capture_for  # noqa: E402
-from autojigsaw.mesh import MeshSpec, RankView  # noqa: E402
-from autojigsaw.rewrite.rewrite import rewrite  # noqa: E402
+from autojigsaw.rewrite.every_rank import CHECK_ENV  # noqa: E402
 from tests.fuzz_models import build, model_specs  # noqa: E402
 
 MESHES = ({"tensor": 2}, {"domain": 2}, {"domain": 2, "tensor": 2}, {"domain": 4})
@@ -49,27 +48,16 @@ def pinned(inputs: tuple, mesh: dict[str, int], rng: random.Random) -> list:
     return out
 
 
-def every_rank(model, inputs, mesh: dict[str, int], plan) -> None:
-    """Rewrite `plan` for every coordinate of `mesh`; each graph is linted as it is made."""
-    spec = MeshSpec.of(mesh)
-    captured = capture_for(model, inputs, {}, autojigsaw.Options(device="cpu").regime(spec))
-    for coord in itertools.product(*(range(s) for s in spec.sizes)):
-        rewrite(captured, plan, RankView(spec, coord, (None,) * spec.ndim)).graph.lint()
-
-
 def check(spec, mesh: dict[str, int], rng: random.Random, outcomes: collections.Counter) -> None:
     model, inputs = build(spec)
     whole = autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
     placements = pinned(inputs, mesh, rng)
     try:
-        plan = autojigsaw.plan(model, inputs, mesh, device="cpu", input_placements=placements,
-                               memory_budget=int(rng.uniform(0.3, 1.0) * whole))
+        autojigsaw.plan(model, inputs, mesh, device="cpu", input_placements=placements,
+                        memory_budget=int(rng.uniform(0.3, 1.0) * whole))  # every rank linted: CHECK_ENV
+        outcomes["linted"] += 1
     except ValueError:
         outcomes["refused"] += 1
-        return
-    try:
-        every_rank(model, inputs, mesh, plan)
-        outcomes["linted"] += 1
     except Exception as e:  # noqa: BLE001 -- counted and printed: the sweep's finding
         outcomes[type(e).__name__] += 1
         print(f"FAIL {type(e).__name__} on {mesh}, inputs {placements}: {str(e).splitlines()[0][:200]}\n{spec}\n"
@@ -82,6 +70,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng, outcomes = random.Random(args.seed), collections.Counter()
+    os.environ[CHECK_ENV] = "1"
 
     @settings(max_examples=args.examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))

@@ -28,6 +28,7 @@ from ..planner.assemble import assemble
 from ..planner.errors import infeasible_error
 from ..planner.recompute import solve_with_recompute
 from ..planner.reserved import Fitted, allocator_facts, footprint, solve_reserved
+from ..rewrite.every_rank import checking_every_rank, lint_every_rank
 from ..rewrite.rewrite import rewrite
 from ..rewrite.traffic import traffic_by_origin
 from ..strategies.annotate import annotate
@@ -120,9 +121,12 @@ def _solve_fitting(captured: Captured, problem, options: Options, ctx: CostConte
 
 
 def with_traffic(plan: Plan, captured: Captured) -> Plan:
-    """The plan with exact bytes per node, read off the graph the plan rewrites into."""
+    """The plan with exact bytes per node, read off the graph the plan rewrites into (rank 0's; every
+    rank's graph is also linted under AUTOJIGSAW_CHECK_RANKS=1, rewrite/every_rank.py)."""
     rank = RankView.planning(plan.mesh)
     gm = rewrite(captured, plan, rank, training=plan.training)
+    if checking_every_rank():
+        lint_every_rank(captured, plan)
     gm.meta[IMBALANCE] = plan.moe_imbalance  # the routing routed experts' all-to-alls are counted at
     traffic = traffic_by_origin(gm, rank, captured.trained_params, plan.training)
     nodes = tuple(replace(n, comm_bytes=traffic.get(n.name, 0)) for n in plan.nodes)
