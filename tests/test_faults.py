@@ -61,7 +61,7 @@ def _fault_case(fault: str, report: str) -> dict:
     if rank == 1:
         if fault == "dies":
             os._exit(1)  # no cleanup: the process is gone, as if killed
-        time.sleep(3 * TIMEOUT)  # stalls past the group's timeout, then goes away quietly
+        time.sleep(2 * TIMEOUT)  # stalls past the group's timeout, then goes away quietly
         return {}
     start = time.perf_counter()
     try:
