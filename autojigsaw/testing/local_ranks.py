@@ -95,12 +95,15 @@ class LocalRanks:
         self._procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        if "forkserver" in mp.get_all_start_methods():
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(_PRELOAD)
+        else:  # Windows: every worker starts torch afresh
+            ctx = mp.get_context("spawn")
         port = _free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        # every rank hashes strings alike (README: launching): the forkserver's seed, set where it starts
+        # every rank hashes strings alike (README: launching): a forkserver takes the seed of the pool that starts it
         environ = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED") or "0"}
         self._procs = [
             ctx.Process(
