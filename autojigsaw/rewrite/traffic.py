@@ -62,10 +62,9 @@ def collective_traffic(node: Node, rank, backward: frozenset) -> list[tuple[str,
         if backward and kw["grad"] == GradKind.P:
             out.append(("reduce_scatter", scatter_bytes(shape, summed_itemsize(src), kw["dim"], kw["sizes"])))
     elif node.target is C.reduce_scatter:
-        summed = summed_itemsize(src, kw["op"])
-        out.append(("reduce_scatter", scatter_bytes(shape, summed, kw["dim"], kw["sizes"])))
+        out.append(("reduce_scatter", scatter_bytes(shape, summed_itemsize(src, kw["op"]), kw["dim"], kw["sizes"])))
         if backward:  # the gradient's gather: the same elements, in the value's dtype (it sums nothing)
-            out.append(("all_gather", out[0][1] * itemsize // summed))
+            out.append(("all_gather", scatter_bytes(shape, itemsize, kw["dim"], kw["sizes"])))
     elif node.target in (C.all_reduce, C.grad_all_reduce):
         numel, n = math.prod(shape), kw["axis"].size
         if node.target is C.all_reduce:
