@@ -104,7 +104,8 @@ class LocalRanks:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         # every rank hashes strings alike (README: launching): a forkserver takes the seed of the pool that starts it
-        environ = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED") or "0"}
+        seed = os.environ.get("PYTHONHASHSEED")
+        environ = {**os.environ, "PYTHONHASHSEED": seed or "0"}
         self._procs = [
             ctx.Process(
                 target=_worker,
@@ -114,7 +115,6 @@ class LocalRanks:
             )
             for r in range(self.world_size)
         ]
-        seed = os.environ.get("PYTHONHASHSEED")
         os.environ["PYTHONHASHSEED"] = environ["PYTHONHASHSEED"]
         try:
             for p in self._procs:
