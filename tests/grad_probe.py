@@ -86,15 +86,18 @@ def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7) -> str:
     """The plan for `name` under `fraction` of its replicated memory: weights must shard."""
     if name in side_by_side.MODELS:  # the same model and shapes: the plan test_hf_models.py makes too
         return side_by_side.plan_json(name, mesh, fraction)
-    model, inputs = build(name)
-    return autojigsaw.plan(model, inputs, mesh, device="cpu", memory_budget=int(fraction * _whole(name))).to_json()
+    return _planned(name, mesh, memory_budget=int(fraction * _whole(name))).to_json()
 
 
 @functools.cache  # one 1-rank plan per model and test process, for every mesh
 def _whole(name: str) -> int:
     """Bytes of `name`'s step on one rank."""
-    model, inputs = build(name)
-    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+    return _planned(name, {"tensor": 1}).memory_per_rank
+
+
+def _planned(name: str, mesh: dict[str, int], **options) -> Plan:
+    """Probe model `name` planned on `mesh`, from its graph captured once per test process."""
+    return side_by_side.planned((f"probe {name}", ()), mesh, functools.partial(build, name), **options)
 
 
 def _probe(out) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 import autojigsaw
-from autojigsaw import Plan
+from autojigsaw import MeshSpec, Plan
+from autojigsaw.api import capture_for, plan_captured
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .hf_models import hf_model
@@ -47,8 +48,25 @@ def loss_of(out) -> torch.Tensor:
 @functools.cache
 def replicated_bytes(name: str, dtype: torch.dtype = torch.float64) -> int:
     """Predicted peak bytes per rank of `name` with every tensor whole (a 1-rank plan)."""
-    model, inputs = build(name, dtype=dtype)
-    return autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank
+    return planned((name, (("dtype", dtype),)), {"tensor": 1}).memory_per_rank
+
+
+_CAPTURED: dict = {}  # a model's graph, captured once per test process: capture takes most of a small plan
+
+
+def planned(model: tuple[str, tuple], mesh: dict[str, int], make=None, **options) -> Plan:
+    """autojigsaw.plan of `model`, (name, build's keywords as sorted pairs), which `make()` builds as (module,
+    args) or (module, args, kwargs) (default: build), on `mesh` with `options` (device "cpu" unless given),
+    from its graph captured once per test process and precision."""
+    options = autojigsaw.Options(**{"device": "cpu", **options})
+    mesh = MeshSpec.of(mesh)
+    regime = options.regime(mesh)
+    key = (model, regime.precision)
+    if key not in _CAPTURED:
+        name, build_kwargs = model
+        module, args, kwargs = (*(make() if make is not None else build(name, **dict(build_kwargs))), {})[:3]
+        _CAPTURED[key] = capture_for(module, args, kwargs, regime)
+    return plan_captured(_CAPTURED[key], mesh, options)
 
 
 def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7, *, data_parallel: str | None = None,
@@ -59,10 +77,9 @@ def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7, *, data_pa
 
 @functools.cache  # plans are deterministic (tests/test_numerics.py): each is made once per test process
 def _plan_json(name: str, mesh: tuple, fraction: float, data_parallel: str | None, build_kwargs: tuple) -> str:
-    model, inputs = build(name, **dict(build_kwargs))
     budget = int(fraction * replicated_bytes(name, dict(build_kwargs).get("dtype", torch.float64)))
-    return autojigsaw.plan(model, inputs, dict(mesh), device="cpu", memory_budget=budget,
-                           data_parallel=data_parallel).to_json()
+    model = (name, tuple(sorted({"dtype": torch.float64, **dict(build_kwargs)}.items())))
+    return planned(model, dict(mesh), memory_budget=budget, data_parallel=data_parallel).to_json()
 
 
 def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *, steps: int = 3,
@@ -103,19 +120,9 @@ def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *,
             norm = torch.nn.utils.clip_grad_norm_(pmodel.parameters(), clip)
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             diffs["norm"] = max(diffs["norm"], abs(norm.full_tensor().item() - ref_norm.item()))
-        for name, p, q in zip(names, pmodel.parameters(), ref.parameters()):
-            t = tensors[name]
-            if q.grad is None:  # frozen (PatchTST's sinusoidal positions): no gradient in either model
-                assert p.grad is None, name
-                continue
-            t["grad"] = max(t["grad"], max_diff(p.grad.full_tensor(), q.grad))
-            t["grad_scale"] = max(t["grad_scale"], q.grad.abs().max().item())
-            diffs["grad"] = max(diffs["grad"], t["grad"])
-            diffs["grad_scale"] = max(diffs["grad_scale"], t["grad_scale"])
+        _compare_grads(names, pmodel, ref, tensors, diffs)
         if optimizer == "sgd":
-            for name, group, ref_group, q in zip(names, opt.param_groups, ref_opt.param_groups, ref.parameters()):
-                g = q.grad.abs().max().item() if q.grad is not None else 0.0
-                group["lr"] = ref_group["lr"] = tensors[name]["lr"] = q.abs().max().item() / g if g else 0.0
+            _scale_lrs(names, opt, ref_opt, ref, tensors)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     for name, p, q in zip(names, pmodel.parameters(), ref.parameters()):
@@ -126,6 +133,26 @@ def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *,
     diffs["whole_over_first_axis"] = sum(p.placements[0].is_replicate() for p in pmodel.parameters())
     diffs["table"] = pmodel.plan.table() if dist.get_rank() == 0 else None
     return diffs
+
+
+def _compare_grads(names: list[str], pmodel, ref, tensors: dict, diffs: dict) -> None:
+    """Each parameter's largest gradient difference and gradient entry, kept in `tensors` and `diffs`."""
+    for name, p, q in zip(names, pmodel.parameters(), ref.parameters()):
+        t = tensors[name]
+        if q.grad is None:  # frozen (PatchTST's sinusoidal positions): no gradient in either model
+            assert p.grad is None, name
+            continue
+        t["grad"] = max(t["grad"], max_diff(p.grad.full_tensor(), q.grad))
+        t["grad_scale"] = max(t["grad_scale"], q.grad.abs().max().item())
+        diffs["grad"] = max(diffs["grad"], t["grad"])
+        diffs["grad_scale"] = max(diffs["grad_scale"], t["grad_scale"])
+
+
+def _scale_lrs(names: list[str], opt, ref_opt, ref, tensors: dict) -> None:
+    """SGD's per-tensor learning rate: its largest entry over its largest gradient entry (the single device's)."""
+    for name, group, ref_group, q in zip(names, opt.param_groups, ref_opt.param_groups, ref.parameters()):
+        g = q.grad.abs().max().item() if q.grad is not None else 0.0
+        group["lr"] = ref_group["lr"] = tensors[name]["lr"] = q.abs().max().item() / g if g else 0.0
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

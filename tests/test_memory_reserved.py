@@ -13,6 +13,8 @@ from autojigsaw.cost_model.memory import saved_for_backward
 from autojigsaw.planner.recompute import Recomputed
 from autojigsaw.planner.reserved import allocator_facts, solve_reserved
 
+from .side_by_side import planned
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 BF16 = dict(mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                    reduce_dtype=torch.float32))
@@ -30,8 +32,13 @@ def _llama(hidden=64, layers=2, vocab=128, batch=4, seq=64):
 
 
 def _planned(device, mesh=None, **kw):
-    model, ids = _llama(**kw.pop("sizes", {}))
-    return autojigsaw.plan(model, (ids,), mesh or {"tensor": 1}, device=device, example_kwargs={"labels": ids}, **kw)
+    """autojigsaw.plan of _llama (of `sizes`) on `mesh` (one rank), its graph captured once per size."""
+    sizes = kw.pop("sizes", {})
+
+    def make():
+        model, ids = _llama(**sizes)
+        return model, (ids,), {"labels": ids}
+    return planned(("meta llama", tuple(sorted(sizes.items()))), mesh or {"tensor": 1}, make, device=device, **kw)
 
 
 def _spans(plan, compiled: bool):

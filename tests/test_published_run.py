@@ -3,7 +3,7 @@
 pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP on 8 GPUs (96 GB HBM2e),
 local batch 2 x 8192 tokens, bf16 mixed precision, torchtitan's selective activation checkpointing
 ("selective-op"), the caching allocator's expandable segments: 6,667 tokens/s per GPU at 77.0 GiB reserved
-compiled, 5,762 at 82.4 GiB eager. Planned on the meta device as a user would call it.
+compiled, 5,762 at 82.4 GiB eager. Planned on the meta device (its graph captured once for three plans).
 benchmarks/published.py compares the other published runs (torchtitan on 128 GPUs and tensor parallel on 64
 and 256, MosaicML's MPT with FSDP on 8 and 128 H100s, Megatron-LM on 8-3072 A100s).
 """
@@ -20,6 +20,8 @@ from benchmarks.layouts import tensor_parallel
 from benchmarks.published import build, plan_options, tiny
 from benchmarks.published_runs import run_named
 
+from .side_by_side import planned
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -31,7 +33,14 @@ def _llama_3_1_8b():
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                          rope_theta=500000.0, use_cache=False)
     with torch.device("meta"):
-        return tf.LlamaForCausalLM(cfg), torch.zeros(16, 8192, dtype=torch.long)
+        ids = torch.zeros(16, 8192, dtype=torch.long)
+        return tf.LlamaForCausalLM(cfg), (ids,), {"labels": ids}
+
+
+def _planned(device: str, recompute: str):
+    """torchtitan's Llama 3.1 8B run on data=8 (FSDP, bf16), planned on `device` (its graph captured once)."""
+    return planned(("llama 3.1 8b", ()), {"data": 8}, _llama_3_1_8b, device=device, memory_budget=92e9,
+                   data_parallel="fsdp", activation_checkpointing=recompute, mp_policy=BF16)
 
 
 @pytest.mark.parametrize("device, reserved_gib", [("h100-96gb+expandable+compile", 77.0),
@@ -39,10 +48,7 @@ def _llama_3_1_8b():
 def test_torchtitan_llama3_8b_on_8_h100_reserved_memory_within_10_percent(device, reserved_gib):
     """Memory as torchtitan publishes it, torch.cuda.max_memory_reserved: compiled and eager; the compiled
     run's step within 25 % (benchmarks/published.py reports every run's)."""
-    model, ids = _llama_3_1_8b()
-    plan = autojigsaw.plan(model, (ids,), {"data": 8}, device=device, example_kwargs={"labels": ids},
-                           memory_budget=92e9, data_parallel="fsdp", activation_checkpointing="selective-op",
-                           mp_policy=BF16)
+    plan = _planned(device, "selective-op")
     assert abs(plan.memory_per_rank / 2**30 / reserved_gib - 1) <= 0.10, plan.memory_per_rank / 2**30
     assert plan.memory_allocated < plan.memory_per_rank
     assert plan.recompute_summary() == "selective-op on model.layers.{0..31} (x32)"
@@ -56,11 +62,8 @@ def test_keeping_every_matmul_output_of_that_run_does_not_fit_an_80_gb_h100():
     """"selective" (every matmul output kept; torchtitan recomputes every second one) on the 80 GB part:
     about 87 GiB allocated, more reserved, where the plan counted 83 GiB when it priced bytes live and
     missed the cross-entropy's backward temporary (7.8 GiB)."""
-    model, ids = _llama_3_1_8b()
     with pytest.raises(ValueError, match="as torch's CUDA caching allocator holds memory"):
-        autojigsaw.plan(model, (ids,), {"data": 8}, device="h100", example_kwargs={"labels": ids},
-                        memory_budget=92e9, data_parallel="fsdp", activation_checkpointing="selective",
-                        mp_policy=BF16)
+        _planned("h100", "selective")
 
 
 def test_a_tensor_parallel_run_is_priced_in_its_own_layout():

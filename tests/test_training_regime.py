@@ -29,7 +29,7 @@ from autojigsaw.testing.local_ranks import get_mesh
 
 from .cost_checks import CPU_100US, measure_step
 from .hf_models import batch_of_8
-from .side_by_side import build, loss_of
+from .side_by_side import build, loss_of, planned
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -46,9 +46,10 @@ def _llama(batch: int = 8, seq: int = 64, attention: str = "sdpa"):
     return tf.LlamaForCausalLM(cfg), (ids,)
 
 
-def _plan(policy: str, device="cpu", attention: str = "sdpa", **kw) -> Plan:
-    model, inputs = _llama(attention=attention)
-    return autojigsaw.plan(model, inputs, {"tensor": 2}, device=device, activation_checkpointing=policy, **kw)
+def _plan(policy: str, device="cpu", attention: str = "sdpa", mesh=None, **kw) -> Plan:
+    """autojigsaw.plan of _llama on `mesh` (tensor=2) under recomputation `policy` (its graph captured once)."""
+    return planned(("llama 8x64", (("attention", attention),)), mesh or {"tensor": 2},
+                   functools.partial(_llama, attention=attention), device=device, activation_checkpointing=policy, **kw)
 
 
 # ---------------------------------------------------------------- bad input
@@ -212,9 +213,8 @@ def test_mixed_precision_keeps_fp32_masters_and_bf16_activations():
 
 
 def test_fsdp_shards_the_weights_state_over_the_data_axis():
-    model, inputs = _llama()
-    ddp = autojigsaw.plan(model, inputs, {"data": 2, "tensor": 2}, device="cpu", data_parallel="ddp")
-    fsdp = autojigsaw.plan(model, inputs, {"data": 2, "tensor": 2}, device="cpu")
+    ddp = _plan("none", mesh={"data": 2, "tensor": 2}, data_parallel="ddp")
+    fsdp = _plan("none", mesh={"data": 2, "tensor": 2})
     assert (ddp.data_parallel, fsdp.data_parallel) == ("ddp", "fsdp")
     assert fsdp.memory_per_rank < ddp.memory_per_rank
     assert fsdp.comm_bytes > ddp.comm_bytes  # gathers twice, reduce-scatters once, on top
