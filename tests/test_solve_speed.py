@@ -2,24 +2,27 @@
 
 import pytest
 
-import autojigsaw
 from autojigsaw.planner import highs
 from autojigsaw.planner.highs import solve_mip
 from benchmarks.solve_speed import small
+
+from .side_by_side import planned
+
+
+def _planned(name: str, mesh: dict[str, int], **options):
+    """benchmarks.solve_speed's small `name` planned on `mesh` (its graph captured once per test process)."""
+    return planned((f"small {name}", ()), mesh, lambda: small(name)[:2], **options)
 
 
 @pytest.mark.parametrize("name", ["mistral", "llama"])
 def test_language_model_on_2x2_under_70_percent_of_its_memory_is_proven_optimal(name):
     # at 0.7 a proof over the whole program without the memory rows its plans break stops at the time
     # limit 4-12 % above the LP bound
-    model, inputs, _ = small(name)
-    budget = int(0.7 * autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank)
-    model, inputs, _ = small(name)
+    budget = int(0.7 * _planned(name, {"tensor": 1}).memory_per_rank)
     # a plan cut short by the time limit warns, and pyproject.toml makes that warning an error
-    plan = autojigsaw.plan(model, inputs, {"domain": 2, "tensor": 2}, device="cpu", memory_budget=budget, mip_gap=0)
+    plan = _planned(name, {"domain": 2, "tensor": 2}, memory_budget=budget, mip_gap=0)
     assert plan.stats.gap == 0.0 and plan.memory_per_rank <= budget  # proven optimal, and it fits
-    model, inputs, _ = small(name)
-    fastest = autojigsaw.plan(model, inputs, {"domain": 2, "tensor": 2}, device="cpu")
+    fastest = _planned(name, {"domain": 2, "tensor": 2})
     assert fastest.memory_per_rank > budget and fastest.step_time < plan.step_time  # the budget binds
 
 
@@ -34,9 +37,8 @@ def test_a_proof_polishes_the_plan_a_quick_round_accepted_at_once(monkeypatch):
         return result
 
     monkeypatch.setattr(highs, "solve_mip", recorded)
-    model, inputs, _ = small("llama")
-    budget = int(0.6 * autojigsaw.plan(model, inputs, {"tensor": 1}, device="cpu").memory_per_rank)
-    autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", memory_budget=budget)
+    budget = int(0.6 * _planned("llama", {"tensor": 1}).memory_per_rank)
+    _planned("llama", {"tensor": 2}, memory_budget=budget)
     proofs = [(polish, stopped_before) for (quick, polish, _), (_, _, stopped_before) in zip(calls[1:], calls)
               if not quick]
     assert any(polish for polish, _ in proofs), calls
