@@ -7,6 +7,7 @@ duals and takes no starting solution).
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Callable
@@ -31,6 +32,10 @@ class Result:
 
 
 _banner_shown = False
+
+# HiGHS keeps worker threads after a solve. Stopped at interpreter exit, before C++'s own teardown: a
+# one-rank training script that exited with them running aborted ("terminate called without an active exception").
+atexit.register(highspy.Highs.resetGlobalScheduler, True)
 
 
 def _new_highs() -> highspy.Highs:
