@@ -6,6 +6,8 @@ import pytest
 
 from autojigsaw.testing.local_ranks import LocalRanks
 
+from .hf_models import WORKER_PRELOAD
+
 # Plans are made, not read from a plan cache: a test counts solves and plans again after a change (the rank
 # pools and every subprocess inherit this; tests/test_plan_cache.py names a directory of its own)
 os.environ["AUTOJIGSAW_CACHE"] = "off"
@@ -28,11 +30,11 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def ranks2():
-    with LocalRanks(2) as pool:
+    with LocalRanks(2, preload=WORKER_PRELOAD) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
 def ranks4():
-    with LocalRanks(4) as pool:
+    with LocalRanks(4, preload=WORKER_PRELOAD) as pool:
         yield pool

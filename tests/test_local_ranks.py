@@ -1,12 +1,15 @@
 """The worker pool itself: results in rank order, errors, deaths and hangs reported, pool reusable."""
 
 import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from autojigsaw.testing.local_ranks import LocalRanks, RankFailure
+
+from .hf_models import WORKER_PRELOAD
 
 
 def _rank_and_sum():
@@ -35,6 +38,20 @@ def _sleep_forever_on_rank_zero():
     return True
 
 
+def _imported(names: tuple[str, ...]) -> list[bool]:
+    return [name in sys.modules for name in names]
+
+
+def _imports_at_start():
+    return _imported(("torch.export._trace",) + WORKER_PRELOAD)
+
+
+def test_workers_start_with_the_preloaded_modules_imported():
+    with LocalRanks(1, preload=WORKER_PRELOAD) as pool:  # a fresh worker: its first task
+        assert pool.run(_imports_at_start) == [[True] * (1 + len(WORKER_PRELOAD))]
+        assert pool.run(_imported, ("mailbox",)) == [[False]]  # and what none preloads is not there
+
+
 def test_results_in_rank_order(ranks2):
     assert ranks2.run(_rank_and_sum) == [(0, 1.0), (1, 1.0)]
 
@@ -52,6 +69,6 @@ def test_a_rank_that_dies_is_named_at_once_not_at_the_timeout(ranks2):
 
 
 def test_hang_times_out():
-    with LocalRanks(2, timeout=3) as pool:
+    with LocalRanks(2, timeout=3, preload=WORKER_PRELOAD) as pool:
         with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
             pool.run(_sleep_forever_on_rank_zero)
