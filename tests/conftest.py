@@ -4,13 +4,15 @@ import os
 
 import pytest
 
-from autojigsaw.testing.local_ranks import LocalRanks
+from autojigsaw.testing.local_ranks import LocalRanks, preload
 
 from .hf_models import WORKER_PRELOAD
 
 # Plans are made, not read from a plan cache: a test counts solves and plans again after a change (the rank
 # pools and every subprocess inherit this; tests/test_plan_cache.py names a directory of its own)
 os.environ["AUTOJIGSAW_CACHE"] = "off"
+# before any pool starts the server its workers fork from
+preload(*WORKER_PRELOAD)
 
 # The files that take most of a minute or more on 2 cores (measured with --durations), longest first:
 # `-n 2 --dist loadfile` (with --no-loadscope-reorder, pyproject.toml) hands each worker the next file
@@ -30,11 +32,11 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def ranks2():
-    with LocalRanks(2, preload=WORKER_PRELOAD) as pool:
+    with LocalRanks(2) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
 def ranks4():
-    with LocalRanks(4, preload=WORKER_PRELOAD) as pool:
+    with LocalRanks(4) as pool:
         yield pool

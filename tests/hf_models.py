@@ -11,7 +11,7 @@ from .moe_models import custom_routing
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 NAMES = ("gpt2", "llama", "bert", "vit")
-# imported by the server the test pools fork their workers from, once, not by each worker (1-2 s each)
+# imported by the server the test pools fork their workers from (conftest.py), once, not by each worker (1-2 s each)
 WORKER_PRELOAD = ("transformers", "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
 
 

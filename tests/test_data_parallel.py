@@ -25,7 +25,6 @@ from autojigsaw.runtime import regional
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
 from .cost_checks import measure_step
-from .hf_models import WORKER_PRELOAD
 from .side_by_side import build, loss_of, max_diff, plan_json, train
 
 AXES = ("data", "domain", "tensor")
@@ -70,7 +69,7 @@ def test_a_mesh_of_three_axes_of_two_trains_like_single_device():
     assert _data_parallel(Plan.from_json(plan))
     placements = Plan.from_json(plan).param_placements.values()
     assert all(any(pl[axis] != Replicate() for pl in placements) for axis in (1, 2)), Plan.from_json(plan).table()
-    with LocalRanks(8, preload=WORKER_PRELOAD) as ranks8:
+    with LocalRanks(8) as ranks8:
         results = ranks8.run(train, "gpt2", mesh, AXES, plan, steps=3, fsdp=True)
     for r in results:
         assert r["whole_over_first_axis"] == 0, r

@@ -26,7 +26,6 @@ from autojigsaw.runtime.one_plan import planned_on_rank0
 from autojigsaw.runtime.one_program import follow_rank0_order
 from autojigsaw.testing.local_ranks import LocalRanks, get_mesh
 
-from .hf_models import WORKER_PRELOAD
 from .models import build
 
 TIMEOUT = 5.0
@@ -43,7 +42,7 @@ def _survivors_report(tmp_path, case, *args) -> tuple[dict, bool]:
     """`case(*args, report)` on a fresh pair of ranks, one of which dies or stalls: the report the
     other wrote, and whether the pool raised (the faulty rank never answers as asked)."""
     report = str(tmp_path / "survivor.json")
-    with LocalRanks(2, collective_timeout=TIMEOUT, preload=WORKER_PRELOAD) as pool:
+    with LocalRanks(2, collective_timeout=TIMEOUT) as pool:
         try:
             pool.run(case, *args, report, timeout=30)
             raised = False

@@ -47,7 +47,7 @@ def _imports_at_start():
 
 
 def test_workers_start_with_the_preloaded_modules_imported():
-    with LocalRanks(1, preload=WORKER_PRELOAD) as pool:  # a fresh worker: its first task
+    with LocalRanks(1) as pool:  # a fresh worker (conftest.py preloads them): its first task
         assert pool.run(_imports_at_start) == [[True] * (1 + len(WORKER_PRELOAD))]
         assert pool.run(_imported, ("mailbox",)) == [[False]]  # and what none preloads is not there
 
@@ -69,6 +69,6 @@ def test_a_rank_that_dies_is_named_at_once_not_at_the_timeout(ranks2):
 
 
 def test_hang_times_out():
-    with LocalRanks(2, timeout=3, preload=WORKER_PRELOAD) as pool:
+    with LocalRanks(2, timeout=3) as pool:
         with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
             pool.run(_sleep_forever_on_rank_zero)

@@ -4,9 +4,9 @@ Tests, the demo and the benchmarks use it instead of spawning processes per call
 torch costs seconds, so the workers live as long as the pool and take one task after another,
 and are forked from a server that imported torch and autojigsaw once (multiprocessing's
 forkserver: 0.1 s for a pool of 4, against 7 s and 13 CPU-seconds spawned afresh); each
-worker takes the environment its pool was started in. `preload` names more modules for that
-server to import (the tests' transformers; one missing is skipped); a process has one server,
-started by its first pool, whose list then holds for every pool.
+worker takes the environment its pool was started in. A process has one such server, started
+by its first pool: `preload(...)` before then names more modules for it to import (the tests'
+transformers; one missing is skipped).
 Every collective runs under the process group's timeout and every task under the pool's, so
 a bug fails fast instead of hanging.
 """
@@ -28,6 +28,15 @@ import torch.multiprocessing as mp
 _MESHES: dict[tuple, Any] = {}
 # imported once, in the forkserver; torch.export._trace is what a worker's first capture would import (0.4 s)
 _PRELOAD = ["torch", "torch.distributed", "torch.export._trace", "autojigsaw", __name__]
+
+
+def preload(*modules: str) -> None:
+    """More modules for the forkserver to import once, for every worker of this process: call it before its
+    first pool starts (the server lives as long as the process).
+
+        preload("transformers")
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def get_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str = "cpu"):
@@ -87,7 +96,6 @@ class LocalRanks:
         collective_timeout: float = 60.0,
         threads_per_rank: int = 1,
         startup_timeout: float = 180.0,
-        preload: tuple[str, ...] = (),
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -96,13 +104,12 @@ class LocalRanks:
         self.collective_timeout = collective_timeout
         self.threads_per_rank = threads_per_rank
         self.startup_timeout = startup_timeout
-        self.preload = tuple(preload)
         self._procs: list = []
 
     def _start(self) -> None:
         if "forkserver" in mp.get_all_start_methods():
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(_PRELOAD + list(self.preload))
+            ctx.set_forkserver_preload(_PRELOAD)
         else:  # Windows: every worker starts torch afresh
             ctx = mp.get_context("spawn")
         port = _free_port()
