@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from ..capture import Captured, at_sizes, refuse_backward_hooks
+from ..capture.lowering import LoweringExchangeError
 from ..dtypes import value_carries_grad
 from ..mesh import MeshSpec, RankView
 from ..options import Options
@@ -30,6 +31,7 @@ from ..runtime.one_plan import planned_on_rank0
 from ..runtime.one_program import follow_rank0_order
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
+from ..runtime.shared_lowering import SharedLowering
 from ..training import pipe_axis, data_axes
 
 from .cached import planned_or_cached
@@ -125,16 +127,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     mesh = MeshSpec.of(device_mesh)
     check_group(device_mesh, mesh)
     regime = options.regime(mesh)
-    captured, symbolic, failed = None, None, None
-    try:
-        refuse_backward_hooks(model)  # the program's backward runs none of them
-        if reuse is not None:
-            symbolic = reuse.symbolic
-        else:
-            symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
-        captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
-    except Exception as e:  # noqa: BLE001 -- told to the other ranks first (none waits for this one), then raised
-        failed = e
+    captured, symbolic, failed = _captured(model, args, kwargs, regime, options, reuse)
     follow_rank0_order(captured)  # before any plan names its nodes
     try:
         if failed is None and reuse is not None:
@@ -142,7 +135,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
             symbolic = symbolic if plan is not None else None
         if failed is None and plan is not None:
             check_plan(plan, mesh, captured, regime)
-    except Exception as e:  # noqa: BLE001 -- as above
+    except Exception as e:  # noqa: BLE001 -- told to the other ranks first (none waits for this one), then raised
         failed = e
     if failed is not None:
         plan_fact = f"none: {(str(failed) or type(failed).__name__).splitlines()[0]}"
@@ -169,6 +162,26 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     split, pieces = split_layers(gm, captured, plan, units.layer_of if units else None)
     return Program(captured, plan, rank, gm, runnable(split, pieces, units, compile), regime.precision, symbolic,
                    units)
+
+
+def _captured(model: torch.nn.Module, args: tuple, kwargs: dict, regime, options: Options, reuse: Program | None
+              ) -> tuple[Captured | None, Captured | None, Exception | None]:
+    """(this rank's capture, its symbolic capture, why it failed): the lowering shared where the ranks traced
+    one program, a failure kept to be told to the other ranks first (none waits for this one)."""
+    captured, symbolic, failed, shared = None, None, None, SharedLowering()
+    try:
+        refuse_backward_hooks(model)  # the program's backward runs none of them
+        if reuse is not None:
+            symbolic = reuse.symbolic
+        else:
+            symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
+        captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime, shared)
+    except LoweringExchangeError:  # a rank stopped: no later exchange would complete either
+        raise
+    except Exception as e:  # noqa: BLE001 -- returned: told to the other ranks first, then raised
+        failed = e
+    shared.join()
+    return captured, symbolic, failed
 
 
 def _reused(captured: Captured, plan: Plan) -> Plan | None:

@@ -42,6 +42,7 @@ from ..runtime.pipeline import (PipelineRun, StageModule, batch_size, drop_param
 from ..runtime.program import Program
 from ..runtime.regional import runnable
 from ..runtime.same_values import check_same_values, values_to_agree
+from ..runtime.shared_lowering import SharedLowering
 from ..strategies.constraints import check_constraints_match
 from ..training import data_axes, pipe_axis, stage_mesh
 from .recipe import _symbolic, capture_for, plan_captured
@@ -189,7 +190,11 @@ def _capture_agreed(model: torch.nn.Module, args: tuple, kwargs: dict, regime, p
     rank agreeing on it, the plan and the options; a model that returns no loss is refused, on every rank alike."""
     inputs = (args, kwargs) if plan is None or plan.pipeline is None else \
         microbatch_of(args, kwargs, plan.pipeline.microbatches)
-    captured = capture_for(model, *inputs, regime)
+    shared = SharedLowering()
+    try:
+        captured = capture_for(model, *inputs, regime, shared)
+    finally:
+        shared.join()
     loss_dtype(captured)
     follow_rank0_order(captured)
     plan_fact = "to be made on rank 0" if plan is None else plan.fingerprint()

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from ..capture import Captured, capture
+from ..capture.lowering import lower
 from ..cost_model.estimate import CostContext
 from ..cost_model.in_flight import with_in_flight
 from ..cost_model.regime import with_data_traffic, with_regime
@@ -40,10 +41,11 @@ from ..training import Regime
 log = logging.getLogger("autojigsaw")
 
 
-def capture_for(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime) -> Captured:
-    """The model's graph as the regime runs it (floating parameters and inputs in param_dtype)."""
+def capture_for(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime, lower=lower) -> Captured:
+    """The model's graph as the regime runs it (floating parameters and inputs in param_dtype); `lower`: as
+    `capture`'s."""
     precision = regime.precision
-    return capture(model, args, kwargs, param_dtype=precision.param_dtype if precision.mixed else None)
+    return capture(model, args, kwargs, param_dtype=precision.param_dtype if precision.mixed else None, lower=lower)
 
 
 def _symbolic(model: torch.nn.Module, args: tuple, kwargs: dict, regime: Regime) -> Captured | None:

@@ -7,11 +7,13 @@ import io
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.export import ExportedProgram
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
@@ -19,14 +21,16 @@ from ..modules import module_path
 from .checkpointing import reentrant_checkpoints_inlined
 from .custom_functions import backward_is_derivative, functions_applied
 from .host_random import host_draws, refuse_host_draws
+from .lowering import LoweringExchangeError, lower
 
 aten = torch.ops.aten
 log = logging.getLogger("autojigsaw")
 
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch.dtype | None,
-           dynamic_shapes=None) -> tuple[torch.export.ExportedProgram, list[str]]:
-    """torch.export (non-strict) and decompositions, and the reentrant checkpoints traced (the graph then
+           dynamic_shapes=None, lower: Callable[[ExportedProgram], ExportedProgram] = lower
+           ) -> tuple[ExportedProgram, list[str]]:
+    """torch.export (non-strict) and `lower`ed to ATen, and the reentrant checkpoints traced (the graph then
     holds only for inputs that need a gradient where these did); a ValueError naming the fix if export fails."""
     # On failure torch.export prints the partial graph to stderr: kept for logging.DEBUG instead.
     torch_stderr = io.StringIO()
@@ -48,7 +52,9 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
             _detach_no_grad_regions(ep.graph_module)
-            ep = ep.run_decompositions({})
+            ep = lower(ep)
+    except LoweringExchangeError:
+        raise
     except Exception as e:  # noqa: BLE001 - rewrap whatever export raises
         log.debug("torch.export's output before it failed (the partial graph):\n%s", torch_stderr.getvalue())
         for record in torch_logs:

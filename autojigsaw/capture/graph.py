@@ -16,6 +16,7 @@ from .copies import differentiable_copies
 from .eager_strides import record_eager_strides
 from .expert_region import collapse_routed_experts
 from .export import check_complex_scatter, check_dense, check_operand_dtypes, export
+from .lowering import lower
 from .shapes import ShapeRange, every_dim_auto, needs_grad, shape_range
 
 # Nodes that only check metadata: they would fail on local shards and compute nothing.
@@ -57,13 +58,14 @@ class Captured:
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
-            param_dtype: torch.dtype | None = None, dynamic: bool = False) -> Captured:
+            param_dtype: torch.dtype | None = None, dynamic: bool = False, lower=lower) -> Captured:
     """Export `model(*args, **kwargs)` into an ATen graph; a clear error if export fails.
 
     `param_dtype`: capture as mixed precision runs the model (FSDP2's MixedPrecisionPolicy):
     floating parameters and inputs in that dtype, buffers in their own. `dynamic`: every input
     dim `Dim.AUTO`, so the graph holds symbolic sizes where the model allows (Captured.shapes);
-    `at_sizes` makes it concrete for one shape.
+    `at_sizes` makes it concrete for one shape. `lower`: ExportedProgram -> the same lowered to ATen
+    (lowering.lower: kept per process; runtime/shared_lowering.py's: shared among ranks).
     """
     kwargs = kwargs or {}
     check_dense(args, kwargs)
@@ -71,7 +73,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     if dynamic:
         arguments = inspect.signature(model.forward).bind(*args, **kwargs).arguments  # as export pairs them
         auto = tuple(pytree.tree_map(every_dim_auto, value) for value in arguments.values())
-    ep, checkpoints = export(model, args, kwargs, param_dtype, dynamic_shapes=auto)
+    ep, checkpoints = export(model, args, kwargs, param_dtype, dynamic_shapes=auto, lower=lower)
     sig = ep.graph_signature
     written = [o.target for o in sig.output_specs if o.kind == OutputKind.USER_INPUT_MUTATION]
     if written:
