@@ -7,6 +7,7 @@ import pytest
 from autojigsaw.testing.local_ranks import LocalRanks, preload
 
 from .hf_models import WORKER_PRELOAD
+from .side_by_side import SHARED_PLANS
 
 # Plans are made, not read from a plan cache: a test counts solves and plans again after a change (the rank
 # pools and every subprocess inherit this; tests/test_plan_cache.py names a directory of its own)
@@ -28,6 +29,15 @@ def pytest_collection_modifyitems(items):
     """Order the tests by file, the longest files first (stable otherwise)."""
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _plans_shared_by_the_workers(tmp_path_factory):
+    """Under xdist, the workers of one run share side_by_side's plans (in a directory of this run's own)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = tmp_path_factory.getbasetemp().parent / "plans"
+        shared.mkdir(exist_ok=True)
+        os.environ[SHARED_PLANS] = str(shared)
 
 
 @pytest.fixture(scope="session")

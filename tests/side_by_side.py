@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -75,11 +77,25 @@ def plan_json(name: str, mesh: dict[str, int], fraction: float = 0.7, *, data_pa
     return _plan_json(name, tuple(mesh.items()), fraction, data_parallel, tuple(sorted(build_kwargs.items())))
 
 
-@functools.cache  # plans are deterministic (tests/test_numerics.py): each is made once per test process
+SHARED_PLANS = "AUTOJIGSAW_TEST_PLANS"  # a directory every test process of this run shares plans in (conftest.py)
+
+
+# Plans are deterministic (tests/test_numerics.py): each is made once per test run, by the first test process
+# that needs it
+@functools.cache
 def _plan_json(name: str, mesh: tuple, fraction: float, data_parallel: str | None, build_kwargs: tuple) -> str:
+    key = hashlib.sha256(repr((name, mesh, fraction, data_parallel, build_kwargs)).encode()).hexdigest()[:24]
+    shared = Path(os.environ[SHARED_PLANS]) / f"{key}.json" if SHARED_PLANS in os.environ else None
+    if shared is not None and shared.exists():
+        return shared.read_text()
     budget = int(fraction * replicated_bytes(name, dict(build_kwargs).get("dtype", torch.float64)))
     model = (name, tuple(sorted({"dtype": torch.float64, **dict(build_kwargs)}.items())))
-    return planned(model, dict(mesh), memory_budget=budget, data_parallel=data_parallel).to_json()
+    text = planned(model, dict(mesh), memory_budget=budget, data_parallel=data_parallel).to_json()
+    if shared is not None:  # written whole, then renamed: the other worker reads all of it or nothing
+        partial = shared.with_suffix(f".{os.getpid()}")
+        partial.write_text(text)
+        partial.replace(shared)
+    return text
 
 
 def train(name: str, mesh_shape: tuple, axes: tuple, plan: str | None = None, *, steps: int = 3,
