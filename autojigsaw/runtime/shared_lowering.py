@@ -61,6 +61,7 @@ class SharedLowering:
 
     @staticmethod
     def _send(data: bytes | None) -> bytes | None:
+        """Rank 0's `data` (its lowering, or None) on every rank."""
         try:
             return from_rank0(data, "rank 0's lowered program")
         except RuntimeError as e:
