@@ -24,6 +24,17 @@ class MLP(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(x)))
 
 
+class ConstantScale(nn.Module):
+    """An output scale kept as a plain attribute: it becomes a constant of the traced program."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.proj, self.scale = nn.Linear(16, 16, dtype=torch.float64), scale
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
 class LinearStack(nn.Module):
     """Several MLP blocks and a head: linears with bias, activations, residuals."""
 

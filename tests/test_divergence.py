@@ -18,7 +18,7 @@ from autojigsaw.planner import solve
 from autojigsaw.runtime import checks
 from autojigsaw.testing.local_ranks import get_mesh
 
-from .models import build
+from .models import ConstantScale, build
 
 
 def _diverge(what: str, plan_json: str):
@@ -134,17 +134,6 @@ class _BranchesOnRank1(torch.nn.Module):
         return y
 
 
-class _Scaled(torch.nn.Module):
-    """An output scale kept as a plain attribute: it becomes a constant of the traced program."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.proj, self.scale = torch.nn.Linear(16, 16, dtype=torch.float64), scale
-
-    def forward(self, x):
-        return self.proj(x) * self.scale
-
-
 def _scale_set_per_rank(hash_seeds: tuple[str, str] = ("0", "0")):
     """parallelize's error where each rank scales by another constant (same weights, same shapes), each rank's
     PYTHONHASHSEED set to its entry of `hash_seeds` (as its launcher would have)."""
@@ -152,7 +141,7 @@ def _scale_set_per_rank(hash_seeds: tuple[str, str] = ("0", "0")):
     launched = os.environ.get("PYTHONHASHSEED")
     os.environ["PYTHONHASHSEED"] = hash_seeds[torch.distributed.get_rank()]
     try:
-        autojigsaw.parallelize(_Scaled(1.0 + torch.distributed.get_rank()), get_mesh((2,), ("tensor",)),
+        autojigsaw.parallelize(ConstantScale(1.0 + torch.distributed.get_rank()), get_mesh((2,), ("tensor",)),
                                (torch.randn(4, 8, 16, dtype=torch.float64),), compile=False)
     except ValueError as e:
         return str(e)

@@ -11,7 +11,7 @@ from autojigsaw.capture.portable import dumps, fingerprint, loads
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .hf_models import hf_model
-from .models import compare_training
+from .models import ConstantScale, compare_training
 
 
 def _lowerings(run):
@@ -103,21 +103,10 @@ def _trained_twice():
                                                 model_kwargs={"hidden": 48}) for _ in range(2)])
 
 
-class _Scaled(torch.nn.Module):
-    """An output scale kept as a plain attribute: a constant of the traced program."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.proj, self.scale = torch.nn.Linear(16, 16, dtype=torch.float64), scale
-
-    def forward(self, x):
-        return self.proj(x) * self.scale
-
-
 def _scaled_by_rank():
     """(parallelize's error where each rank scales by its own constant; this rank's lowerings)."""
     forget()
-    model = _Scaled(1.0 + torch.distributed.get_rank())
+    model = ConstantScale(1.0 + torch.distributed.get_rank())
 
     def refused():
         try:
