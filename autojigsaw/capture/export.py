@@ -14,7 +14,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
-from torch.fx import GraphModule
+from torch.fx import GraphModule, config as fx_config
 from torch.utils import _pytree as pytree
 
 from ..modules import module_path
@@ -42,7 +42,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     checkpoints: list[str] = []
     torch_logs: list[logging.LogRecord] = []
     try:
-        with (_no_kv_cache(model), _distribution_checks_off(), _torch_logs_kept(torch_logs),
+        with (_no_kv_cache(model), _distribution_checks_off(), _no_stack_traces(), _torch_logs_kept(torch_logs),
               reentrant_checkpoints_inlined(checkpoints),
               _stand_in_state(model, args, kwargs, param_dtype) as (args, kwargs),
               functions_applied(applied), _tensor_hooks_registered(hooked), _silent_forward_hooks(model, silent),
@@ -69,6 +69,18 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict, param_dtype: torch
     _refuse_attribute_writes(written)
     refuse_host_draws(model, drawn)
     return ep, checkpoints
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Trace without a Python stack per node (torch.fx.config.do_not_emit_stack_traces): a quarter of export's
+    time, and autojigsaw names nodes by their modules (nn_module_stack), not by source lines."""
+    saved = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = saved
 
 
 def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> None:

@@ -53,6 +53,11 @@ def kept(key: str) -> bytes | None:
     return _kept.get(key)
 
 
+def kept_keys() -> list[str]:
+    """The fingerprints of the lowerings this process keeps, the least recently used first."""
+    return list(_kept)
+
+
 def forget() -> None:
     """Forget every lowering this process keeps (the next capture of each program lowers it anew)."""
     _kept.clear()

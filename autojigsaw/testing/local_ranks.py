@@ -7,6 +7,8 @@ forkserver: 0.1 s for a pool of 4, against 7 s and 13 CPU-seconds spawned afresh
 worker takes the environment its pool was started in. A process has one such server, started
 by its first pool: `preload(...)` before then names more modules for it to import (the tests'
 transformers; one missing is skipped).
+Each task carries the lowered programs (capture/lowering.py) this process made since the last, so a model it
+planned is not lowered again on the ranks that parallelize it.
 Every collective runs under the process group's timeout and every task under the pool's, so
 a bug fails fast instead of hanging.
 """
@@ -24,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from ..capture.lowering import keep, kept, kept_keys
 
 _MESHES: dict[tuple, Any] = {}
 # imported once, in the forkserver; torch.export._trace is what a worker's first capture would import (0.4 s)
@@ -73,7 +77,9 @@ def _worker(rank, world_size, port, collective_timeout, threads, environ, tasks,
         task = tasks.get()
         if task is None:
             break
-        fn, args, kwargs = task
+        fn, args, kwargs, lowerings = task
+        for key, data in lowerings.items():
+            keep(key, data)
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -105,6 +111,7 @@ class LocalRanks:
         self.threads_per_rank = threads_per_rank
         self.startup_timeout = startup_timeout
         self._procs: list = []
+        self._lowerings_sent: set[str] = set()  # fingerprints of this process's lowerings the workers were given
 
     def _start(self) -> None:
         if "forkserver" in mp.get_all_start_methods():
@@ -113,6 +120,7 @@ class LocalRanks:
         else:  # Windows: every worker starts torch afresh
             ctx = mp.get_context("spawn")
         port = _free_port()
+        self._lowerings_sent = set()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         # every rank hashes strings alike (README: launching): a forkserver takes the seed of the pool that starts it
@@ -155,8 +163,10 @@ class LocalRanks:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
+        lowerings = {key: kept(key) for key in kept_keys() if key not in self._lowerings_sent}
+        self._lowerings_sent.update(lowerings)
         for q in self._tasks:
-            q.put((fn, args, kwargs))
+            q.put((fn, args, kwargs, lowerings))
         deadline = timeout or self.timeout
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
