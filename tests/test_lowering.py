@@ -1,4 +1,4 @@
-"""Lowering a traced program once: a process keeps the lowerings it made, ranks that traced the same program
+"""Lowering a traced program once: a process keeps the lowerings it made (and gives them to the ranks it runs), ranks that traced the same program
 read rank 0's, and either is the graph a fresh lowering gives, node for node, and plans alike."""
 
 import torch
@@ -11,7 +11,7 @@ from autojigsaw.capture.portable import dumps, fingerprint, loads
 from autojigsaw.testing.local_ranks import get_mesh
 
 from .hf_models import hf_model
-from .models import ConstantScale, compare_training
+from .models import ConstantScale, build, compare_training
 
 
 def _lowerings(run):
@@ -103,6 +103,12 @@ def _trained_twice():
                                                 model_kwargs={"hidden": 48}) for _ in range(2)])
 
 
+def _trained_once():
+    """(the max differences from one device of an MLP trained on tensor=2; this rank's lowerings)."""
+    return _lowerings(lambda: compare_training("mlp", (4, 8, 16), (2,), ("tensor",), budget=60_000,
+                                               model_kwargs={"hidden": 40}))
+
+
 def _scaled_by_rank():
     """(parallelize's error where each rank scales by its own constant; this rank's lowerings)."""
     forget()
@@ -128,6 +134,17 @@ def test_ranks_that_traced_the_same_program_lower_it_once(ranks2):
         assert max(diffs[key] for key in ("output", "grad", "param")) <= 1e-10, diffs
     plan = autojigsaw.Plan.from_json(diffs0[0]["plan"])
     assert any(not p.is_replicate() for pl in plan.param_placements.values() for p in pl), plan.table()
+
+
+def test_ranks_do_not_lower_again_what_the_process_that_runs_them_lowered(ranks2):
+    """A LocalRanks task carries the lowerings its process made: a model planned here is not lowered on the
+    ranks that parallelize it."""
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    autojigsaw.plan(build("mlp", torch.float64, hidden=40), (x,), {"tensor": 2}, device="cpu")
+    (diffs0, lowered0), (diffs1, lowered1) = ranks2.run(_trained_once, timeout=300)
+    assert (lowered0, lowered1) == (0, 0)
+    for diffs in (diffs0, diffs1):
+        assert max(diffs[key] for key in ("output", "grad", "param")) <= 1e-10, diffs
 
 
 def test_ranks_that_traced_different_programs_each_lower_their_own(ranks2):
