@@ -1,5 +1,6 @@
-"""Lowering a traced program once: a process keeps the lowerings it made (and gives them to the ranks it runs), ranks that traced the same program
-read rank 0's, and either is the graph a fresh lowering gives, node for node, and plans alike."""
+"""Lowering a traced program once: a process keeps the lowerings it made (and gives them to the ranks it runs),
+ranks that traced the same program read rank 0's, and either is the graph a fresh lowering gives, node for
+node, and plans alike."""
 
 import torch
 from torch.export import ExportedProgram
