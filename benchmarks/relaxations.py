@@ -34,7 +34,7 @@ import autojigsaw  # noqa: E402
 from autojigsaw.planner import highs, milp  # noqa: E402
 from benchmarks.families import WeatherMixerFamily  # noqa: E402
 from benchmarks.scaling import MIXED  # noqa: E402
-from benchmarks.solve_speed import TWO, TWO_BY_TWO, one_rank_memory, small  # noqa: E402
+from benchmarks.solve_speed import MIXERS, TWO, TWO_BY_TWO, one_rank_memory, small  # noqa: E402
 
 
 def under(name: str, mesh: dict[str, int], fraction: float):
@@ -46,15 +46,16 @@ def under(name: str, mesh: dict[str, int], fraction: float):
 
 
 def mixer_edge():
-    """solve_speed's 4-GPU mixer edge plan (dim 32144, A100-40GB, mixed), no recomputation, as a function
-    of the solver to plan with."""
-    model, inputs = WeatherMixerFamily().build(2009)
-    return lambda solver: autojigsaw.plan(model, inputs, TWO_BY_TWO, device="a100-40gb", mp_policy=MIXED,
+    """solve_speed's 8-GPU mixer edge plan (A100-40GB, mixed), no recomputation, as a function of the solver
+    to plan with."""
+    _, size, mesh = MIXERS[1]
+    model, inputs = WeatherMixerFamily().build(size)
+    return lambda solver: autojigsaw.plan(model, inputs, mesh, device="a100-40gb", mp_policy=MIXED,
                                           activation_checkpointing="none", solver=solver)
 
 
 CASES = {"Mistral-2L-h64, 2x2, 0.8": lambda: under("mistral", TWO_BY_TWO, 0.8),
-         "Jigsaw mixer dim 32144, 2x2, mixed, none": mixer_edge}
+         "Jigsaw mixer dim 44176, 2x4, mixed, none": mixer_edge}
 TINY = {"gpt2, 2, 0.6": lambda: under("gpt2", TWO, 0.6)}  # the smoke run's: a second or two a bound
 
 
