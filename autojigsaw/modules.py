@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from torch.fx import Node
 
@@ -41,35 +41,34 @@ def layer_path(node: Node, params: dict[str, str]) -> str | None:
     return f"{layer[0]}.{layer[1]}" if layer else None
 
 
-def fsdp_shards(value) -> bool:
-    """Whether FSDP2 shards a parameter (its value, or its graph placeholder), along its dim 0: a scalar
-    (CLIP's logit_scale) has none, so it stays whole on the data axis and the graph sums its gradient over it,
-    as under DDP; routed experts' weights are split over the data axis by the plan (strategies/data_pins.py)."""
+def fsdp_shards(value, *, split: bool = False) -> bool:
+    """Whether FSDP2 shards a parameter (its value, or its graph placeholder) along its dim 0: not a scalar
+    (CLIP's logit_scale), which stays whole on the data axis, its gradient summed there by the graph as
+    under DDP, nor one the plan splits over the data axis itself (`split`: training.splits_data)."""
     if isinstance(value, Node):
-        if value.meta.get(EXPERT_WEIGHT):
-            return False
         value = value.meta.get("val")
-    return getattr(value, "ndim", 0) > 0
+    return not split and getattr(value, "ndim", 0) > 0
 
 
-def data_sums(placeholder: Node, *, fsdp: bool) -> bool:
+def data_sums(placeholder: Node, *, fsdp: bool, split: bool) -> bool:
     """Whether the data axis sums a parameter's gradient outside the graph when it sums once per step (FSDP's
-    reduce-scatter; DDP's all-reduce after accumulated microbatches): not routed experts' weights, which it
-    splits (each rank's experts get their own gradients), nor, under FSDP, one it leaves whole (the graph's)."""
-    return not placeholder.meta.get(EXPERT_WEIGHT) and (fsdp_shards(placeholder) or not fsdp)
+    reduce-scatter; DDP's all-reduce after accumulated microbatches): not one the plan splits over it
+    (`split`: each rank gets its own slices' gradients), nor, under FSDP, one it leaves whole (the graph's)."""
+    return not split and (fsdp_shards(placeholder) or not fsdp)
 
 
-def layer_units(nodes: list[Node], params: dict[str, str]) -> dict[str, str]:
+def layer_units(nodes: list[Node], params: dict[str, str], split: Collection[str] = frozenset()) -> dict[str, str]:
     """Parameter placeholder -> the repeated layer that alone reads it, where that layer's nodes run as one
     unbroken stretch of the graph: FSDP's units, each gathered only while its layer runs. Parameters
     read outside layers, by two layers, or by a layer run in two stretches are absent (the root unit's),
-    and so are those FSDP leaves whole (`fsdp_shards`)."""
+    and so are those FSDP leaves whole (`fsdp_shards`; `split`: those the plan splits over the data axis)."""
     layer = {n: layer_path(n, params) for n in nodes if n.op == "call_function"}
     stretches = [key for key, _ in itertools.groupby(layer.values())]
     whole = {key for key in stretches if key is not None and stretches.count(key) == 1}
     units = {}
     for node in nodes:
-        if node.op == "placeholder" and node.name in params and node.users and fsdp_shards(node):
+        if (node.op == "placeholder" and node.name in params and node.users
+                and fsdp_shards(node, split=node.name in split)):
             readers = {layer.get(user) for user in node.users}
             if len(readers) == 1 and readers <= whole:
                 units[node.name] = readers.pop()

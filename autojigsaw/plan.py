@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
@@ -20,6 +20,7 @@ from .placements import Placements, format_placements, parse_placements
 from .plan_text import (format_bytes, format_seconds, span_name, stages_table, MODULE_WIDTH, kernel_cell, legend,
                         narrow_table, placements_cell, short_op, wrapped, collapsed, node_row, group_module,
                         group_name, group_costs)
+from .training import splits_data
 
 SHOWN_KINDS = ("matmul", "attention", "softmax", "norm", "embedding")
 
@@ -167,6 +168,10 @@ class Plan:
                 return n
         raise KeyError(f"the plan has no node {name!r}")
 
+    def split_over_data(self, placeholders: Iterable[str]) -> frozenset[str]:
+        """Those of the weights `placeholders` that this plan splits over a data axis (training.splits_data)."""
+        return frozenset(name for name in placeholders if splits_data(self.node(name).output, self.mesh))
+
     @property
     def fallbacks(self) -> list[NodeSharding]:
         return [n for n in self.nodes if n.fallback]
@@ -225,12 +230,12 @@ class Plan:
         if hidden:
             rows.append((f"({len(hidden)} other nodes)", "", "views, elementwise, parameters", "", *group_costs(hidden)))
         unattributed = self.comm_bytes - sum(n.comm_bytes for n in self.nodes)
-        hides = self.step_time - sum(n.comm_s + n.compute_s for n in self.nodes)  # FSDP's traffic under compute
-        hides = 0.0 if abs(hides) <= 1e-9 * self.step_time else hides
-        if unattributed or hides:
+        extra = self.step_time - sum(n.comm_s + n.compute_s for n in self.nodes)  # FSDP's traffic, as exposed
+        extra = 0.0 if abs(extra) <= 1e-9 * self.step_time else extra
+        if unattributed or extra:
             what = "gathers, reduce-scatters on data" if self.data_parallel == "fsdp" else ""
             rows.append(("(FSDP)" if what else "(other)", "", what, "", format_bytes(unattributed),
-                         ("-" if hides < 0 else "") + format_seconds(abs(hides)) if hides else ""))
+                         ("-" if extra < 0 else "") + format_seconds(abs(extra)) if extra else ""))
         rows.append(("TOTAL", "", "", f"{len(self.fallbacks)} fallback(s)", format_bytes(self.comm_bytes),
                      format_seconds(self.step_time)))
         footer = self._summary() + "\n" + legend(self.mesh.axis_names, fsdp=self.data_parallel == "fsdp")

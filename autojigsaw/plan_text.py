@@ -69,8 +69,8 @@ def legend(axis_names: Sequence[str], *, fsdp: bool) -> str:
             "autojigsaw's kernels\n"
             f"time = comm + compute; {{0..3}}: alike layers; {ELLIPSIS}: path cut short; "
             "table(wide=True): node names, shapes, memory, notes"
-            + ("\n(FSDP): bytes of its gathers and reduce-scatters; time: minus what compute hides of theirs "
-               "(priced in other nodes)" if fsdp else ""))
+            + ("\n(FSDP): bytes of its gathers and reduce-scatters; time: what they add to the step beyond the "
+               "rows above (what compute does not hide)" if fsdp else ""))
 
 
 def wrapped(text: str) -> str:

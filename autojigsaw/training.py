@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+from torch.distributed.tensor import Shard
 
 from .mesh import MeshSpec
 
@@ -128,6 +129,12 @@ def _check_data_parallel(value) -> None:
 def data_axes(mesh: MeshSpec) -> tuple[int, ...]:
     """The positions of the mesh's data-parallel axes (FSDP shards over the first)."""
     return tuple(a for a, name in enumerate(mesh.axis_names) if name in DATA_AXIS_NAMES)
+
+
+def splits_data(placements, mesh: MeshSpec) -> bool:
+    """Whether `placements` split a weight over a data axis: the plan's own split (routed experts dispatched
+    over it), which FSDP and DDP leave, the graph computing each rank's gradients of its own slices."""
+    return any(isinstance(placements[a], Shard) for a in data_axes(mesh) if mesh.sizes[a] > 1)
 
 
 PIPE_AXIS_NAMES = ("pipe", "pp")

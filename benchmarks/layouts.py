@@ -9,7 +9,7 @@ would choose; axis_roles.py imposes the roles axis names suggest the same way.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 
 def tensor_parallel(model: torch.nn.Module) -> dict[str, str]:
@@ -23,8 +23,9 @@ def tensor_parallel(model: torch.nn.Module) -> dict[str, str]:
 def megatron_moe(model: torch.nn.Module, axes: tuple[str, ...]) -> dict:
     """Megatron-Core's mixture-of-experts layout on a data x expert x tensor mesh (`axes`, in order): the
     routed experts' stacked weights ([experts, ...]) split by expert over expert x tensor (EP = expert x
-    tensor, ETP 1; FSDP's over data as the plan has it), every other matrix weight split over tensor
-    (`tensor_parallel`); attention's tokens and heads as the planner finds cheapest around them."""
-    expert, tensor = axes.index("expert"), axes.index("tensor")
-    by_expert = tuple(Shard(0) if a in (expert, tensor) else None for a in range(len(axes)))
+    tensor, ETP 1) and kept whole over data, where FSDP shards them (EDP), every other matrix weight split
+    over tensor (`tensor_parallel`); attention's tokens and heads as the planner finds cheapest around them."""
+    expert, tensor, data = axes.index("expert"), axes.index("tensor"), axes.index("data")
+    by_expert = tuple(Shard(0) if a in (expert, tensor) else Replicate() if a == data else None
+                      for a in range(len(axes)))
     return {name: by_expert if p.ndim == 3 else "split" for name, p in model.named_parameters() if p.ndim >= 2}

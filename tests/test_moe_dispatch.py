@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
 from autojigsaw import Plan
@@ -143,14 +143,16 @@ def _step(pmodel, ref, inputs) -> dict:
     return diffs
 
 
-def check(results: list[dict], mesh: str, tol: float = FP32_TOL) -> None:
+def check(results: list[dict], mesh: str, tol: float = FP32_TOL, *, fsdp_experts: bool = False) -> None:
     for r in results:
         grad_tol = tol * r["grad_scale"]
         assert r["loss"] <= tol, (r["loss"], r["table"])
         assert r["grad"] <= grad_tol, (r["grad"], grad_tol, r["table"])
         assert r["param"] <= tol + LR * grad_tol / ADAM_EPS, (r["param"], r["table"])
-        # the experts split over every axis of the mesh: no rank holds another's experts
-        assert r["expert_weights"] == [str(tuple(Shard(0) for _ in MESHES[mesh]))], r["expert_weights"]
+        if fsdp_experts:  # FSDP holds them, sharded over data and by the plan over the other axes
+            assert any(".experts." in fqn for fqn in r["fsdp_holds"]), r["fsdp_holds"]
+        else:  # the experts split over every axis of the mesh: no rank holds another's experts
+            assert r["expert_weights"] == [str(tuple(Shard(0) for _ in MESHES[mesh]))], r["expert_weights"]
 
 
 def check_forced_routing(name: str, chosen: tuple[int, ...], n: int) -> None:
@@ -163,18 +165,19 @@ def check_forced_routing(name: str, chosen: tuple[int, ...], n: int) -> None:
 
 
 def run_routings(pool, name: str, mesh: str, cases=ROUTINGS, dtype: torch.dtype = torch.float32, *,
-                 priced: bool = False) -> None:
-    """`name` (the MANY shape) with its experts dispatched over every axis of `mesh`, planned and parallelized
-    once, trained at each routing of `cases`; at a forced one, every rank's bytes are the predicted ones.
-    `priced`: the plan is evaluated at every token to rank 0 and states that routing's bytes (rank 0's)."""
-    n = MeshSpec.of(dict(MESHES[mesh])).world_size
+                 priced: bool = False, plan: str | None = None, group: int | None = None) -> None:
+    """`name` (the MANY shape) with its experts dispatched over every axis of `mesh` (or as `plan`, a plan's
+    JSON, dispatches them over groups of `group` ranks), parallelized once, trained at each routing of
+    `cases`; at a forced one, every rank's bytes are the predicted ones. `priced`: the plan is evaluated at
+    every token to rank 0 and states that routing's bytes (rank 0's)."""
+    n = group or MeshSpec.of(dict(MESHES[mesh])).world_size
     imbalances = {case: forced(case, n)[1] for case in cases}
     model_kwargs = (*MANY, ("dtype", dtype))
-    plan = planned(name, mesh, model_kwargs, imbalance=float(n) if priced else None)
+    plan = plan or planned(name, mesh, model_kwargs, imbalance=float(n) if priced else None)
     results = pool.run(_train, name, MESHES[mesh], plan, model_kwargs, [forced(case, n)[0] for case in cases], False)
     by_case = list(zip(*results))  # per case, every rank's
     for case, ranks in zip(cases, by_case):
-        check(ranks, mesh, TOL[dtype])
+        check(ranks, mesh, TOL[dtype], fsdp_experts=group is not None)
     checked = [case for case in cases if imbalances[case] is not None]
     predicted = predicted_bytes(name, model_kwargs, plan, [imbalances[c] for c in checked])
     for case, want in zip(checked, predicted):
@@ -197,6 +200,27 @@ def test_qwen3_moe_over_data_2_x_tensor_2(ranks4):
 
 def test_deepseek_v3_over_data_4(ranks4):
     run_routings(ranks4, "deepseek_v3", "data=4")
+
+
+def _tokens_split_over_data(strategy) -> bool:
+    """A routed-experts strategy whose tokens are split over every axis (data, tensor)."""
+    return strategy.inputs[0] == (Shard(0), Shard(0))
+
+
+def test_experts_sharded_by_fsdp_over_data_and_dispatched_over_tensor(ranks4):
+    """Megatron-Core's expert data parallelism: the experts kept whole over data, where FSDP shards and gathers
+    them with the layer's other weights, their tokens split with the batch there and dispatched over tensor
+    (constraints pin the experts so; the planner lays out the rest)."""
+    name, mesh = "qwen3_moe", "data=2 x tensor=2"
+    model, inputs = moe_model(name, **dict(MANY))
+    by_expert = (Replicate(), Shard(0))
+    plan = autojigsaw.plan(model, inputs, dict(MESHES[mesh]), device="cpu", data_parallel="fsdp",
+                           constraints={"*.experts.gate_up_proj": by_expert, "*.experts.down_proj": by_expert,
+                                        "*routed_experts*": _tokens_split_over_data})
+    notes = {n.note for n in plan.nodes if n.op == "autojigsaw.routed_experts"}
+    assert notes == {"data: tokens; tensor: token dispatch"}, plan.table(every_node=True)
+    assert not plan.split_over_data(n.name for n in plan.nodes if n.kind == "param"), plan.table(every_node=True)
+    run_routings(ranks4, name, mesh, ("own", "all to rank 0"), plan=plan.to_json(), group=2)
 
 
 @pytest.mark.parametrize("name, mesh, data_parallel", [("qwen3_moe", "data=2", "fsdp"), ("mixtral", "data=4", "ddp")])

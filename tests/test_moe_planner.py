@@ -6,7 +6,8 @@ groups, 2 shared experts, latent attention), bf16 compute, 4096 tokens per data 
 of data the experts are dispatched over the data axis (expert parallelism on the data ranks); on
 data=8 x tensor=8 the many-expert models fold their experts over all 64 ranks, laid out apart
 from attention's (Qwen3's splits heads over tensor), and Mixtral's 8 experts stay one per data
-rank, its tokens split over tensor. A busier busiest rank (moe_imbalance) costs more.
+rank, its tokens split over tensor. Across nodes, whether the data axis splits the experts or FSDP
+shards them there is the planner's choice. A busier busiest rank (moe_imbalance) costs more.
 """
 
 import functools
@@ -15,6 +16,7 @@ import pytest
 import torch
 import transformers as tf
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Replicate, Shard
 
 import autojigsaw
 
@@ -22,8 +24,8 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 SEQ = 4096
 
 
-def published(name: str):
-    """Two layers of `name` at its published widths, on the meta device."""
+def published(name: str, layers: int = 2):
+    """`layers` layers of `name` at its published widths, on the meta device."""
     if name == "mixtral-8x7b":
         cls, cfg = tf.MixtralForCausalLM, tf.MixtralConfig(
             hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -39,16 +41,27 @@ def published(name: str):
             num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=4, first_k_dense_replace=1,
             num_attention_heads=16, num_key_value_heads=16, q_lora_rank=512, kv_lora_rank=512,
             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=102400)
-    cfg.num_hidden_layers, cfg.use_cache = 2, False
+    cfg.num_hidden_layers, cfg.use_cache = layers, False
     with torch.device("meta"):
         return cls(cfg)
 
 
 @functools.cache
-def planned(name: str, mesh: tuple, imbalance: float = 1.0) -> autojigsaw.Plan:
-    data = dict(mesh)["data"]
-    return autojigsaw.plan(published(name), (torch.zeros(data, SEQ, dtype=torch.long),), dict(mesh), device="h100",
-                           mp_policy=BF16, moe_imbalance=imbalance)
+def planned(name: str, layers: int, per_rank: int, mesh: tuple, imbalance: float = 1.0,
+            experts_over_data=None, loss: bool = False) -> autojigsaw.Plan:
+    """`layers` of `name` planned on `mesh`, `per_rank` sequences per data rank; `experts_over_data`: the
+    routed experts' placement over the data axis, pinned; `loss`: the model returns its loss (whole) and
+    its logits where the planner puts them, with full recomputation, as it trains."""
+    ids = torch.zeros(dict(mesh)["data"] * per_rank, SEQ, dtype=torch.long)
+    pins, options = None, {}
+    if experts_over_data is not None:
+        pin = tuple(experts_over_data if axis == "data" else None for axis, _ in mesh)
+        pins = {"*.experts.gate_up_proj": pin, "*.experts.down_proj": pin}
+    if loss:
+        options = {"example_kwargs": {"labels": ids}, "activation_checkpointing": "full",
+                   "output_placements": [tuple(Replicate() for _ in mesh), None]}
+    return autojigsaw.plan(published(name, layers), (ids,), dict(mesh), device="h100", mp_policy=BF16,
+                           moe_imbalance=imbalance, constraints=pins, **options)
 
 
 def routed_notes(plan: autojigsaw.Plan) -> set[str]:
@@ -59,7 +72,7 @@ def routed_notes(plan: autojigsaw.Plan) -> set[str]:
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3-small"])
 def test_experts_borrow_the_data_ranks(name):
-    plan = planned(name, (("data", 8),))
+    plan = planned(name, 2, 1, (("data", 8),))
     print(plan)
     assert routed_notes(plan) == {"data: token dispatch"}
     experts = {n.name: n.outputs[0] for n in plan.nodes if n.kind == "param" and ".experts." in n.module}
@@ -70,15 +83,32 @@ def test_experts_borrow_the_data_ranks(name):
                                           ("mixtral-8x7b", False)])
 def test_many_experts_fold_over_data_and_tensor(name, folded):
     """Parallel folding: the experts' layout over the 64 ranks is the routed experts' own, whatever attention's."""
-    plan = planned(name, (("data", 8), ("tensor", 8)))
+    plan = planned(name, 2, 1, (("data", 8), ("tensor", 8)))
     print(plan)
     want = "data: token dispatch; tensor: token dispatch" if folded else "data: token dispatch; tensor: tokens"
     assert routed_notes(plan) == {want}
 
 
+def test_the_experts_over_a_data_axis_across_nodes_are_the_planners_choice():
+    """On data=4 x expert=8 the data axis crosses nodes. Split over it, the experts take a token all-to-all across
+    InfiniBand; kept whole there, FSDP gathers them behind the compute of the layer before, its exposed
+    traffic priced in the solve as the step has it (planner/problem.py DataTraffic). Neither is forced
+    (strategies/data_pins.py): with 16 sequences per data rank FSDP's is the faster, and the planner's."""
+    mesh, shape = (("data", 4), ("expert", 8)), ("qwen3-30b-a3b", 4, 16)
+    free = planned(*shape, mesh, loss=True)
+    split, whole = (planned(*shape, mesh, experts_over_data=p, loss=True) for p in (Shard(0), Replicate()))
+    print(f"step {free.step_time * 1e3:.2f} ms free ({routed_notes(free)}), {split.step_time * 1e3:.2f} split "
+          f"over data, {whole.step_time * 1e3:.2f} kept whole there (FSDP)")
+    assert routed_notes(split) == {"data: token dispatch; expert: token dispatch"}
+    assert routed_notes(whole) == routed_notes(free) == {"data: tokens; expert: token dispatch"}
+    assert whole.step_time < split.step_time and free.step_time <= whole.step_time * 1.01  # the solve's gap
+    experts = {n.outputs[0] for n in free.nodes if n.kind == "param" and ".experts." in n.module}
+    assert experts == {(Replicate(), Shard(0))}, experts
+
+
 def test_a_busier_busiest_rank_costs_more():
-    balanced = planned("qwen3-30b-a3b", (("data", 8),))
-    hot = planned("qwen3-30b-a3b", (("data", 8),), 4.0)
+    balanced = planned("qwen3-30b-a3b", 2, 1, (("data", 8),))
+    hot = planned("qwen3-30b-a3b", 2, 1, (("data", 8),), 4.0)
     assert hot.moe_imbalance == 4.0 and hot.step_time > balanced.step_time
     again = autojigsaw.evaluate(autojigsaw.Plan.from_json(hot.to_json()), published("qwen3-30b-a3b"),
                                 (torch.zeros(8, SEQ, dtype=torch.long),), device="h100", mp_policy=BF16)

@@ -62,7 +62,7 @@ def test_the_quickstart_plan_fits_120_columns_and_wide_keeps_every_column(quicks
 
 
 def test_the_time_column_sums_to_the_step_on_a_3d_mesh_under_fsdp():
-    """FSDP's gathers are priced with the parameters (other nodes); its row takes off what compute hides."""
+    """FSDP's gathers are priced apart from the nodes; its row is what a step exposes of them."""
     plan = autojigsaw.plan(LinearStack(depth=2), (torch.randn(2, 5, 16),), {"data": 2, "domain": 2, "tensor": 2},
                            device="cpu")
     text = str(plan)
@@ -71,7 +71,7 @@ def test_the_time_column_sums_to_the_step_on_a_3d_mesh_under_fsdp():
     rows = lines[2:next(i for i, line in enumerate(lines) if line.startswith("TOTAL"))]
     times = [_seconds(" ".join(line.split()[-2:])) for line in rows]  # each rounded to 5 us at most
     assert sum(times) == pytest.approx(plan.step_time, abs=5e-6 * len(times)), text
-    assert rows[-1].startswith("(FSDP)") and times[-1] < 0 and "(FSDP):" in text, text
+    assert rows[-1].startswith("(FSDP)") and times[-1] > 0 and "(FSDP):" in text, text
     every = plan.table(every_node=True)
     assert _widest(every) <= 120 and len(every.splitlines()) > len(text.splitlines()), every
 

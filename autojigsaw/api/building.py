@@ -155,7 +155,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     rank = RankView.of(device_mesh, mesh)
     if pinned is None:
         materialize_model(model, plan.param_placements, device_mesh, rank.coord)
-        units = shard_in_units(model, captured, device_mesh, regime)
+        units = shard_in_units(model, captured, plan, device_mesh, regime)
     # Inputs that do not require grad skip these gradient collectives at run time.
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values) if value_carries_grad(v))
     gm = rewrite(captured, plan, rank, training=options.training, inputs_with_grad=differentiable)

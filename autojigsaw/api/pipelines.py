@@ -220,7 +220,7 @@ def _stage_program(model, program, plan: Plan, rank: RankView, stage_dm, regime,
     captured = program.captured
     first = program.index == 0
     module = StageModule(first=first)
-    units = shard_in_units(model, captured, stage_dm, regime, stage=module)
+    units = shard_in_units(model, captured, plan, stage_dm, regime, stage=module)
     if units is None:
         module.hold({ph: model.get_parameter(fqn) for ph, fqn in captured.params.items()})
     differentiable = frozenset(n for n, v in zip(captured.inputs, captured.input_values)

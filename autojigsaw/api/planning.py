@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from ..cost_model.devices import DeviceSpec, device_spec
 from ..cost_model.estimate import CostContext
 from ..cost_model.recompute import repeated_layers
-from ..cost_model.regime import with_data_traffic, with_regime
+from ..cost_model.regime import fsdp_layers, with_data_traffic, with_regime
 from ..cost_model.memory import Optimizer, OptimizerName, optimizer_spec
 from ..mesh import MeshSpec
 from ..options import Options, check_imbalance
@@ -108,7 +108,9 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
     imbalance = plan.moe_imbalance if moe_imbalance is None else moe_imbalance
     check_imbalance(imbalance)
-    ctx = CostContext(plan.mesh, device_spec(device), plan.training, optimizer_spec(optimizer), regime, imbalance)
+    device = device_spec(device)
+    ctx = CostContext(plan.mesh, device, plan.training, optimizer_spec(optimizer), regime, imbalance,
+                      fsdp_layers(captured, regime))
     problem = _problem(captured, ctx, tie_layers=False)
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     nodes = [by_name[name] for name in problem.names]

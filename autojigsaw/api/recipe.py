@@ -17,7 +17,7 @@ from ..capture import Captured, capture
 from ..capture.lowering import lower
 from ..cost_model.estimate import CostContext
 from ..cost_model.in_flight import with_in_flight
-from ..cost_model.regime import with_data_traffic, with_regime
+from ..cost_model.regime import fsdp_layers, with_data_traffic, with_regime
 from ..cost_model.memory import optimizer_spec
 from ..ir import grads_by_name
 from ..mesh import MeshSpec, RankView
@@ -86,7 +86,8 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
              _output_placements(captured, mesh, options.output_placements, options.training))
     constrain(captured, mesh, options.constraints, options.constraints_axis, stage=stage)
     t1 = time.perf_counter()
-    ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime, options.moe_imbalance)
+    ctx = CostContext(mesh, device, options.training, optimizer_spec(options.optimizer), regime, options.moe_imbalance,
+                      fsdp_layers(captured, regime))
     problem = _problem(captured, ctx, options.tie_layers)
     t2 = time.perf_counter()
     policy = regime.recompute if options.training else "none"

@@ -25,7 +25,7 @@ from ..kernels import registry
 from ..mesh import MeshSpec
 from ..modules import data_sums, fsdp_shards
 from ..placements import Placements, local_shape
-from ..training import Regime, data_axes
+from ..training import Regime, data_axes, splits_data
 from .comm import collective_time
 from .compute import backward_factor, kind_name, memory_time, op_kind, roofline_time
 from .devices import DeviceSpec
@@ -43,6 +43,7 @@ class CostContext:
     optimizer: Optimizer = field(default=OPTIMIZERS["adam"])
     regime: Regime = field(default=Regime())
     moe_imbalance: float = 1.0  # routed experts priced with the busiest rank's tokens this times the mean
+    fsdp_layers: int = 0  # > 0: FSDP prefetches over this many layers; its traffic is priced apart (NodeCosts.data_s)
 
     @property
     def coord0(self) -> tuple[int, ...]:
@@ -54,11 +55,12 @@ class CostContext:
         axes = data_axes(self.mesh) if self.regime.fsdp else ()
         return axes[0] if axes and self.mesh.sizes[axes[0]] > 1 else None
 
-    def param_memory(self, placeholder: Node) -> ParamMemory:
-        """What a parameter (its graph placeholder: dtype and shape) keeps, under this regime."""
+    def param_memory(self, placeholder: Node, placements: Placements | None = None) -> ParamMemory:
+        """What a parameter (its graph placeholder: dtype and shape) keeps in `placements`, under this regime."""
         axis, itemsize = self.fsdp_axis, placeholder.meta["val"].dtype.itemsize
+        sharded = axis is not None and fsdp_shards(placeholder, split=self._split(placements))
         return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
-                              fsdp_ranks=self.mesh.sizes[axis] if axis is not None and fsdp_shards(placeholder) else 1,
+                              fsdp_ranks=self.mesh.sizes[axis] if sharded else 1,
                               reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize),
                               kept_gathered=self.regime.fsdp_once)
 
@@ -69,14 +71,18 @@ class CostContext:
         axes = data_axes(self.mesh) if self.regime.data_sums_once else ()
         return axes[0] if axes and self.mesh.sizes[axes[0]] > 1 else None
 
-    def data_comm(self, nbytes, placeholder: Node, trained: bool = True):
+    def _split(self, placements: Placements | None) -> bool:
+        return placements is not None and splits_data(placements, self.mesh)
+
+    def data_comm(self, nbytes, placeholder: Node, placements: Placements | None = None, trained: bool = True):
         """(seconds, bytes sent) of the data axis' own traffic for a parameter (its graph placeholder) of `nbytes`
-        local compute bytes, per step: FSDP gathers it for forward and again for backward (once under
-        `regime.fsdp_once`) and reduce-scatters its gradient; DDP under gradient accumulation all-reduces
-        its gradient once; nothing else here (the graph sums gradients itself, and those of the weights
-        the data axis splits: routed experts')."""
+        local compute bytes in `placements`, per step: FSDP gathers it for forward and again for backward
+        (once under `regime.fsdp_once`) and reduce-scatters its gradient; DDP under gradient accumulation
+        all-reduces its gradient once; nothing else here (the graph sums gradients itself, and those of the
+        weights the plan splits over the data axis: routed experts dispatched there)."""
         axis, itemsize = self.summed_axis, placeholder.meta["val"].dtype.itemsize
-        if axis is None or not self.training or not data_sums(placeholder, fsdp=self.regime.fsdp):
+        split = self._split(placements)
+        if axis is None or not self.training or not data_sums(placeholder, fsdp=self.regime.fsdp, split=split):
             return 0.0, 0
         n, link = self.mesh.sizes[axis], self.link(axis)
         grad_bytes = nbytes * self.regime.precision.reduce_itemsize(itemsize) / itemsize if trained else 0.0
@@ -119,6 +125,7 @@ class NodeCosts:
 
     time: np.ndarray
     kernel_saved: np.ndarray | None = None
+    data_s: np.ndarray | None = None  # a weight's FSDP traffic, not in `time`, where CostContext.fsdp_layers
 
 
 def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: bool, is_param: bool,
@@ -133,10 +140,12 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         sizes = ctx.mesh.sizes
         local = _local(tuple(val.shape), tuple(s.outputs[0] for s in strategies), sizes)
         nbytes = np.prod(local, axis=1) * val.dtype.itemsize
-        masters = nbytes * ctx.param_memory(node).state  # what the optimizer step reads
+        placements = [s.outputs[0] for s in strategies]
+        masters = nbytes * np.array([ctx.param_memory(node, p).state for p in placements])  # the optimizer's reads
         step = (memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer") if grad
                 else np.zeros_like(nbytes))
-        return NodeCosts(step + ctx.data_comm(nbytes, node, trained=grad)[0])
+        comm = np.array([ctx.data_comm(b, node, p, trained=grad)[0] for b, p in zip(nbytes, placements)], dtype=float)
+        return NodeCosts(step, data_s=comm) if ctx.fsdp_layers else NodeCosts(step + comm)
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return NodeCosts(zeros)
     time = _default_times(node, tuple(strategies), ctx, grad, operand_grads)

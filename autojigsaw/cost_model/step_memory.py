@@ -20,7 +20,7 @@ from torch.fx import Node
 
 from ..ir import Strategy, output_values, tensor_inputs
 from ..modules import layer_path, layer_units
-from ..placements import local_shape
+from ..placements import Placements, local_shape
 from .compute import ATTENTION
 from .liveness import LinearItem, MaxItem, Member, MemoryModel, PairItem, ParamMemory
 from .memory import Optimizer, Saved, is_view, saved_for_backward
@@ -98,16 +98,17 @@ class _Vectors:
 def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
                  kernel_saved: dict[int, np.ndarray] | None = None,
-                 param_memory: Callable[[Node], ParamMemory] | None = None,
+                 param_memory: Callable[[Node, Placements], ParamMemory] | None = None,
                  params: dict[str, str] | None = None) -> MemoryModel:
     """The items of one step. `persistent`: parameter and buffer placeholders (live always);
     `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default);
-    `param_memory(placeholder)`: what each of `params` (placeholder -> FQN) keeps (mixed precision, FSDP);
+    `param_memory(placeholder, placements)`: what each of `params` (placeholder -> FQN) keeps in a strategy's
+    placements (mixed precision, FSDP);
     None: plain training.
     """
     step = _StepItems(nodes, strategies, sizes, training=training, grad=grad, persistent=persistent,
                       optimizer=optimizer, kernel_saved=kernel_saved or {},
-                      param_memory=param_memory or (lambda placeholder: ParamMemory()), params=params or {})
+                      param_memory=param_memory or (lambda placeholder, placements: ParamMemory()), params=params or {})
     for k in range(len(nodes)):  # what each node reads: moved copies, saved inputs, the loss's gradient
         step.add_reads(k)
     for i in range(len(nodes)):  # each storage: a weight or buffer all step, an activation while it is needed
@@ -149,7 +150,7 @@ class _StepItems:
 
     def __init__(self, nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
-                 kernel_saved: dict[int, np.ndarray], param_memory: Callable[[Node], ParamMemory],
+                 kernel_saved: dict[int, np.ndarray], param_memory: Callable[[Node, Placements], ParamMemory],
                  params: dict[str, str]):
         self.nodes, self.strategies, self.training, self.grad = nodes, strategies, training, grad
         self.persistent, self.optimizer, self.kernel_saved = persistent, optimizer, kernel_saved
@@ -166,6 +167,7 @@ class _StepItems:
         self._find_reads()
         self.gathered_span = _gathered_spans(nodes, params)
         self.savers: dict[int, list[Member]] = {}  # storage root -> the readers that save it for backward
+        self._ways: dict[int, list[tuple[ParamMemory, int]]] = {}  # parameter -> _param_ways
 
     def fwd(self, i: int) -> int:
         """Node i's forward point."""
@@ -288,9 +290,30 @@ class _StepItems:
 
     def _add_resident(self, i: int, v: int) -> None:
         """A parameter or buffer: resident all step (FSDP: gathered while its unit runs); a trained
-        parameter's optimizer states and gradient too."""
+        parameter's optimizer states and gradient too. A parameter kept differently in different
+        strategies (FSDP's, or split over the data axis by the plan) gets each way's items, each
+        counting the bytes of its own strategies."""
+        for pm, vec in self._param_ways(i, v):
+            self._add_kept(i, vec, pm)
+
+    def _param_ways(self, i: int, v: int) -> list[tuple[ParamMemory, int]]:
+        """(what node i keeps, the vector of its bytes in the strategies that keep it so) per way it is kept."""
+        node = self.nodes[i]
+        if node.name not in self.params:
+            return [(ParamMemory(), v)]
+        if i in self._ways:
+            return self._ways[i]
+        ways: dict[ParamMemory, list[int]] = {}
+        for k, s in enumerate(self.strategies[i]):
+            ways.setdefault(self.param_memory(node, s.outputs[0]), []).append(k)
+        strategies = np.arange(len(self.strategies[i]))
+        self._ways[i] = ([(next(iter(ways)), v)] if len(ways) == 1 else
+                         [(pm, self.model.vector(self.out_bytes[i] * np.isin(strategies, ks)))
+                          for pm, ks in ways.items()])
+        return self._ways[i]
+
+    def _add_kept(self, i: int, v: int, pm: ParamMemory) -> None:
         node, model, fwd, bwd, end = self.nodes[i], self.model, self.fwd, self.bwd, self.end
-        pm = self.param_memory(node) if node.name in self.params else ParamMemory()
         model.lin.append(LinearItem(i, v, 0, end, pm.resident))
         first, last = self.gathered_span.get(node.name, (0, self.n - 1))
         if pm.gathered and i in self.first_read:  # FSDP: gathered while its unit runs, forward and backward;
@@ -330,10 +353,10 @@ class _StepItems:
 
     def add_optimizer_temporaries(self) -> None:
         """The optimizer step's temporaries, one parameter at a time: the largest parameter's."""
-        members = tuple(Member(i, self.model.vector(self.out_bytes[i]),
-                               self.optimizer.temporaries * self.param_memory(node).state)
+        members = tuple(Member(i, vec, self.optimizer.temporaries * pm.state)
                         for i, node in enumerate(self.nodes)
-                        if node.name in self.persistent and self.grad.get(node.name, False))
+                        if node.name in self.persistent and self.grad.get(node.name, False)
+                        for pm, vec in self._param_ways(i, self.model.vector(self.out_bytes[i])))
         if members:
             self.model.maxes.append(MaxItem(members, self.end, self.end))
 

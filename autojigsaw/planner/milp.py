@@ -340,6 +340,24 @@ class MilpBuilder:
                 pairs[(gs, gd)] = e.costs.time
         for (gs, gd), matrix in pairs.items():
             self._pair(gs, gd, matrix * OBJECTIVE_SCALE)
+        if p.data is not None:
+            self._data_traffic(p.data)
+
+    def _data_traffic(self, data) -> None:
+        """FSDP's traffic as DataTraffic prices it: its hidden share slowing compute (slowdown x F on the
+        strategies) and one variable for what is exposed, at least F / layers and F - C (us)."""
+        n_x, cost = int(self.offsets[-1]), self.milp.cost[0]
+        traffic, compute = np.zeros(n_x), np.zeros(n_x)
+        for n, t in data.time.items():
+            traffic[self.x(n):self.x(n) + len(t)] += t * OBJECTIVE_SCALE
+        for n in data.compute:
+            compute[self.x(n):self.x(n) + len(self.p.time[n])] += self.p.time[n] * OBJECTIVE_SCALE
+        cost += data.slowdown * traffic
+        z = self.milp.add_vars(np.array([1.0 - data.slowdown]), upper=np.inf)
+        for coef in (traffic / data.layers, traffic - compute):
+            cols = np.flatnonzero(coef)
+            self.milp.add_rows(np.zeros(len(cols) + 1, dtype=np.int64), np.concatenate([[z], cols]),
+                               np.concatenate([[1.0], -coef[cols]]), 0.0, np.inf)
 
     def _pair(self, gs: int, gd: int, matrix: np.ndarray) -> None:
         cost, xs, xd = self.milp.cost[0], self.offsets[gs], self.offsets[gd]

@@ -77,14 +77,15 @@ def rewrite(captured: Captured, plan: Plan, rank: RankView, *, training: bool = 
             new = _emit(graph, env, moved, node, sharding, rank)
         env[node] = new
     gm = GraphModule(captured.gm, graph)
+    split = plan.split_over_data(captured.params)
     if training:
         once = fsdp or plan.sums_once  # FSDP's, or a step's sum once its microbatches have accumulated
         set_grad_kinds(gm, rank, set(captured.params) | set(inputs_with_grad), set(captured.params),
                        summed_axis=data_axes(plan.mesh)[0] if once else None,
-                       summed_params={n.name for n in captured.gm.graph.nodes
-                                      if n.name in captured.params and data_sums(n, fsdp=fsdp)})
+                       summed_params={n.name for n in captured.gm.graph.nodes if n.name in captured.params
+                                      and data_sums(n, fsdp=fsdp, split=n.name in split)})
     fuse_collectives(gm)
-    units = layer_units(list(captured.gm.graph.nodes), captured.params) if fsdp else None
+    units = layer_units(list(captured.gm.graph.nodes), captured.params, split) if fsdp else None
     bucket_collectives(gm, captured, rank, units)
     gm.recompile()
     return gm

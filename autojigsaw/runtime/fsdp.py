@@ -10,7 +10,8 @@ per-block wrapping does. A root holder, the units' parent, keeps every other wei
 a tied head, final norms) gathered for the whole forward and the whole backward. The model's
 modules are pointed at the sharded parameters, which the optimizer and checkpoints see. A scalar
 parameter (CLIP's logit_scale) has no dim for FSDP to shard: it stays parallelize's whole DTensor, and the
-program sums its gradient over the data axis, as under DDP.
+program sums its gradient over the data axis, as under DDP. Weights the plan splits over the data axis
+itself (routed experts it dispatches tokens to there) stay its DTensors too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.fx import GraphModule
 from ..capture import Captured
 from ..mesh import MeshSpec
 from ..modules import fsdp_shards, layer_units
+from ..plan import Plan
 from ..training import Regime, data_axes
 
 
@@ -125,7 +127,7 @@ class FsdpUnits:
                                        f"is read outside its layer, by {outside}; please report it")
 
 
-def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Regime, *,
+def shard_in_units(model: nn.Module, captured: Captured, plan: Plan, device_mesh, regime: Regime, *,
                    stage: WeightHolder | None = None) -> FsdpUnits | None:
     """`fully_shard` the model's weights over the data axis in per-layer units with the run's mixed precision;
     None without FSDP or a data axis. Call it once, after the weights are placed and before the optimizer is made.
@@ -139,8 +141,9 @@ def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Re
         return None
     axis = device_mesh.mesh_dim_names[axes[0]]
     _check_one_dtype(model, axis)
-    layer_of = layer_units(list(captured.gm.graph.nodes), captured.params)
-    by_unit, whole = _unit_params(model, captured, layer_of, rest=stage is None)
+    split = plan.split_over_data(captured.params)
+    layer_of = layer_units(list(captured.gm.graph.nodes), captured.params, split)
+    by_unit, whole = _unit_params(model, captured, layer_of, split, rest=stage is None)
     units = {layer: _Holder(params) for layer, params in by_unit.items() if layer is not None}
     root = _Holder(by_unit[None]) if stage is None else stage
     if stage is not None:
@@ -172,9 +175,11 @@ def shard_in_units(model: nn.Module, captured: Captured, device_mesh, regime: Re
     return FsdpUnits(root, layer_of, units)
 
 
-def _unit_params(model: nn.Module, captured: Captured, layer_of: dict[str, str], *, rest: bool) -> tuple[dict, dict]:
+def _unit_params(model: nn.Module, captured: Captured, layer_of: dict[str, str], split: frozenset[str], *,
+                 rest: bool) -> tuple[dict, dict]:
     """The weights FSDP shards, by unit (a layer, None: the root's) and named by placeholder, and those it
-    leaves whole (scalars; routed experts' weights, which the plan splits over the data axis); `rest`: the model's weights the program does not read join the root."""
+    leaves whole (scalars, and `split`: those the plan splits over the data axis, routed experts dispatched
+    there); `rest`: the model's weights the program does not read join the root."""
     by_unit: dict[str | None, dict[str, nn.Parameter]] = {None: {}}
     whole: dict[str, nn.Parameter] = {}
     placed = set()
@@ -182,7 +187,7 @@ def _unit_params(model: nn.Module, captured: Captured, layer_of: dict[str, str],
     for placeholder, fqn in captured.params.items():
         p = model.get_parameter(fqn)
         placed.add(id(p))
-        if fsdp_shards(nodes[placeholder]):
+        if fsdp_shards(nodes[placeholder], split=placeholder in split):
             by_unit.setdefault(layer_of.get(placeholder), {})[placeholder] = p
         else:
             whole[placeholder] = p

@@ -14,7 +14,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
@@ -79,11 +79,13 @@ def node_strategies(node: Node, mesh: MeshSpec, fixed: dict[str, Placements] | N
             return [Strategy((), (None,))]
         if fixed and node.name in fixed:
             pin = fixed[node.name]
-            if None not in pin:
+            if all(isinstance(want, Placement) for want in pin):
                 return [Strategy((), (pin,))]
-            # None leaves an axis to the planner (a data axis pins only its own: strategies/data_pins.py)
+            # None leaves an axis to the planner, a tuple of placements a choice among them (a data axis
+            # pins only its own: strategies/data_pins.py)
             return [Strategy((), (p,)) for p in layout_candidates(val.shape, mesh)
-                    if all(want is None or want == got for want, got in zip(pin, p))]
+                    if all(want is None or got in (want if isinstance(want, tuple) else (want,))
+                           for want, got in zip(pin, p))]
         key = ("placeholder", tuple(val.shape), val.dtype)
         if cache is None or key not in cache:
             found = [Strategy((), (p,)) for p in layout_candidates(val.shape, mesh)]

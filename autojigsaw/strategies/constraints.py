@@ -5,7 +5,8 @@ paths, matched at the end of the name ("layers.*.mlp.down_proj" matches
 "model.layers.0.mlp.down_proj", so a base model's tp plan applies to the model that wraps it), or
 over the captured graph's node names (plan.table(wide=True) shows them). What it must be:
 
-- placements, one per mesh axis (None: the planner's): a parameter's;
+- placements, one per mesh axis (None: the planner's): a parameter's; on a data axis Replicate()
+  (FSDP or DDP shard it there), or, for routed experts' weights, Shard(0) too (split by expert);
 - a style on one mesh axis (the tensor axis by default): transformers' names ("colwise",
   "rowwise", ... tp_styles.HF_STYLES), torch's ColwiseParallel(), RowwiseParallel(),
   SequenceParallel(), or "split" (split on a dim of the planner's choosing), for a module's own
@@ -32,6 +33,7 @@ from torch.fx import GraphModule, Node
 from ..capture import Captured
 from ..ir import STRATEGIES, Strategy
 from ..mesh import MeshSpec
+from ..modules import EXPERT_WEIGHT
 from ..placements import format_placements
 from ..training import data_axes
 from .constrained_reads import keep_reads_split
@@ -125,6 +127,7 @@ def param_pins(captured: Captured, mesh: MeshSpec, constraints: Mapping, axis_na
     modules = module_types(captured.gm)
     fqns = {fqn: ph for ph, fqn in captured.params.items()}
     shapes = {n.name: tuple(n.meta["val"].shape) for n in captured.gm.graph.nodes if n.name in captured.params}
+    experts = {n.name for n in captured.gm.graph.nodes if n.meta.get(EXPERT_WEIGHT)}
     pins: dict[str, ParamPin] = {}
     for own in (False, True):  # module entries, then parameter entries (which win)
         settled: dict[str, ParamPin] = {}
@@ -133,7 +136,7 @@ def param_pins(captured: Captured, mesh: MeshSpec, constraints: Mapping, axis_na
                 continue
             for fqn, rule in _targets(key, value, fqns, modules, own):
                 ph = fqns[fqn]
-                pin = _pin(key, value, fqn, rule, shapes[ph], mesh, axis_name)
+                pin = _pin(key, value, fqn, rule, shapes[ph], mesh, axis_name, ph in experts)
                 if ph in settled and settled[ph].allowed != pin.allowed:
                     raise ValueError(f"constraints[{settled[ph].entry!r}] and constraints[{key!r}] both match "
                                      f"{fqn} and disagree: give it one entry of its own")
@@ -165,14 +168,15 @@ def _targets(key: str, value, fqns: dict[str, str], modules: dict[str, str], own
             for fqn in fqns if fqn.rpartition(".")[0] == path]
 
 
-def _pin(key: str, value, fqn: str, module_type: str, shape: tuple, mesh: MeshSpec, axis_name: str | None) -> ParamPin:
-    """The allowed placements per axis of parameter `fqn` under entry key: value."""
+def _pin(key: str, value, fqn: str, module_type: str, shape: tuple, mesh: MeshSpec, axis_name: str | None,
+         experts: bool) -> ParamPin:
+    """The allowed placements per axis of parameter `fqn` under entry key: value (`experts`: routed experts')."""
     if _is_placements(value):
         if len(value) != mesh.ndim:
             raise ValueError(f"constraints[{key!r}]: {len(value)} placements for a mesh of {mesh.ndim} axes "
                              f"({mesh.describe()}); give one per axis (None: the planner's)")
         allowed = tuple(None if p is None else frozenset({_normalized(p, len(shape))}) for p in value)
-        return _checked(ParamPin(key, fqn, allowed), shape, mesh)
+        return _checked(ParamPin(key, fqn, allowed), shape, mesh, experts)
     axis = style_axis(mesh, axis_name, key)
     rule = hf_style(value) if isinstance(value, str) else torch_style(value, module_type)
     placement = rule(fqn.rpartition(".")[2], len(shape))
@@ -183,7 +187,8 @@ def _pin(key: str, value, fqn: str, module_type: str, shape: tuple, mesh: MeshSp
                              f"{mesh.sizes[axis]} to split over {mesh.axis_names[axis]!r}")
     else:
         choice = frozenset({_normalized(placement, len(shape))})
-    return _checked(ParamPin(key, fqn, tuple(choice if a == axis else None for a in range(mesh.ndim))), shape, mesh)
+    pin = ParamPin(key, fqn, tuple(choice if a == axis else None for a in range(mesh.ndim)))
+    return _checked(pin, shape, mesh, experts)
 
 
 def style_axis(mesh: MeshSpec, axis_name: str | None, key: str) -> int:
@@ -198,15 +203,17 @@ def style_axis(mesh: MeshSpec, axis_name: str | None, key: str) -> int:
                      f"axis {axis_name or 'named tensor or tp'!r}: give constraints_axis= one of {list(names)}")
 
 
-def _checked(pin: ParamPin, shape: tuple, mesh: MeshSpec) -> ParamPin:
-    """`pin`, if each placement splits a dim the axis can split, and leaves a data axis whole."""
+def _checked(pin: ParamPin, shape: tuple, mesh: MeshSpec, experts: bool) -> ParamPin:
+    """`pin`, if each placement splits a dim the axis can split, and leaves a data axis whole (routed experts'
+    weights, `experts`, may be split there by expert: strategies/data_pins.py)."""
     data = set(data_axes(mesh))
     for a, allowed in enumerate(pin.allowed):
         for p in allowed or ():
             axis = f"{mesh.axis_names[a]!r} ({mesh.sizes[a]} ranks)"
-            if a in data and mesh.sizes[a] > 1 and not p.is_replicate():
+            if a in data and mesh.sizes[a] > 1 and not (p.is_replicate() or (experts and p == Shard(0))):
                 raise ValueError(f"constraints[{pin.entry!r}]: {pin.fqn} cannot be {p} on data axis {axis}: a data "
-                                 "axis keeps weights whole (FSDP or DDP shard them there); give None or Replicate()")
+                                 "axis keeps weights whole (FSDP or DDP shard them there), and splits routed experts' "
+                                 "only by expert (Shard(0)); give None or Replicate()")
             if isinstance(p, Shard) and not (p.dim < len(shape) and shape[p.dim] >= mesh.sizes[a]):
                 size = shape[p.dim] if p.dim < len(shape) else "no such dim"
                 raise ValueError(f"constraints[{pin.entry!r}]: {pin.fqn} of shape {list(shape)} cannot be split on "

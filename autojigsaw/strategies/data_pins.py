@@ -5,10 +5,11 @@ on dim 0 over it, every other input, parameter and buffer is replicated over it,
 chooses freely on the other axes. Weights then stay whole over the data axis, and the gradient
 pass all-reduces their gradients over it (activations are sharded there), as DDP does; FSDP2
 `fully_shard` can shard them over it afterwards (see ParallelModule). One exception: the weights
-of routed experts (modules.EXPERT_WEIGHT) are split over it by their experts (dim 0), which a
-token dispatch over the data axis uses where they are (expert parallelism on ranks borrowed from
-the data, as torchtitan's) and any other strategy gathers; FSDP leaves them. Fewer experts than
-data ranks stay whole over the data axes, summed there as under DDP.
+of routed experts (modules.EXPERT_WEIGHT) may also be split over it by their experts (dim 0), the
+planner's choice: a token dispatch over the data axis then uses them where they are (expert
+parallelism on ranks borrowed from the data, as torchtitan's) and FSDP leaves them; kept whole there,
+FSDP shards and gathers them as any other weight (Megatron-Core's expert data parallelism). Fewer
+experts than data ranks stay whole over the data axes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ..training import data_axes
 
 
 def data_pins(captured: Captured, mesh: MeshSpec, fixed: dict[str, Placements]) -> dict[str, Placements]:
-    """`fixed` (placeholder -> placements) with the data axes pinned; None leaves an axis free."""
+    """`fixed` (placeholder -> placements) with the data axes pinned; None leaves an axis free, a tuple of
+    placements gives the planner a choice among them."""
     axes = tuple(a for a in data_axes(mesh) if mesh.sizes[a] > 1)  # a size-1 axis splits nothing
     if not axes:
         return fixed
@@ -46,11 +48,11 @@ def data_pins(captured: Captured, mesh: MeshSpec, fixed: dict[str, Placements]) 
             continue
         pin = list(fixed.get(name, (None,) * mesh.ndim))
         batched = name in inputs and val.ndim and val.shape[0] == batch
-        # fewer experts than data ranks: kept whole there (FSDP leaves them too; the graph sums their gradients)
+        # fewer experts than data ranks: kept whole there, as every other weight
         experts = placeholders[name].meta.get(EXPERT_WEIGHT, False) and val.shape[0] >= ranks
         for a in axes:
             if pin[a] is None:
-                pin[a] = Shard(0) if batched or experts else Replicate()
+                pin[a] = Shard(0) if batched else (Shard(0), Replicate()) if experts else Replicate()
         pins[name] = tuple(pin)
     return pins
 

@@ -11,8 +11,9 @@ Inputs: the tokens X [T, H], the router's top-k `index` and scores [T, k], the e
   experts         X, index, scores Replicate; W1, W2 Shard(0)    -> Partial   each rank its experts'
                   rows of tokens all ranks hold (kernels/expert_share.py)
 Token dispatch and experts' shares are not combined in one strategy. The data axis may split the
-experts too: their weights are stored split over it (strategies/data_pins.py), where every other
-weight is FSDP's or DDP's. Priced at balanced routing, or at `moe_imbalance` (routed_experts_cost.py).
+experts too, their weights stored split over it, or keep them whole, FSDP's or DDP's as every other
+weight (the planner's choice: strategies/data_pins.py). Priced at balanced routing, or at
+`moe_imbalance` (routed_experts_cost.py).
 """
 
 from __future__ import annotations
