@@ -40,10 +40,9 @@ def with_data_traffic(plan: Plan, captured: Captured, ctx: CostContext, grad: di
     placeholders = {n.name: n for n in captured.gm.graph.nodes if n.name in captured.params}
     fsdp_s, fsdp_bytes, gather_s = 0.0, 0, 0.0
     for name in captured.params:
-        val = placeholders[name].meta["val"]
-        local = local_shape(tuple(val.shape), plan.node(name).output, ctx.mesh.sizes, ctx.coord0)
+        val, placements = placeholders[name].meta["val"], plan.node(name).output
+        local = local_shape(tuple(val.shape), placements, ctx.mesh.sizes, ctx.coord0)
         nbytes = math.prod(local) * val.dtype.itemsize
-        placements = plan.node(name).output
         s, b = ctx.data_comm(nbytes, placeholders[name], placements, trained=grad[name])
         fsdp_s, fsdp_bytes = fsdp_s + float(s), fsdp_bytes + int(b)
         gather_s += float(ctx.data_comm(nbytes, placeholders[name], placements, trained=False)[0])
