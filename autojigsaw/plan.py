@@ -170,7 +170,8 @@ class Plan:
 
     def split_over_data(self, placeholders: Iterable[str]) -> frozenset[str]:
         """Those of the weights `placeholders` that this plan splits over a data axis (training.splits_data)."""
-        return frozenset(name for name in placeholders if splits_data(self.node(name).output, self.mesh))
+        wanted = set(placeholders)
+        return frozenset(n.name for n in self.nodes if n.name in wanted and splits_data(n.output, self.mesh))
 
     @property
     def fallbacks(self) -> list[NodeSharding]:
