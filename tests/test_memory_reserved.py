@@ -3,6 +3,7 @@ planner/reserved.py): the step's allocations replayed, eager and compiled, FSDP'
 rule that re-solves a plan whose reserved peak does not fit the budget."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -152,21 +153,26 @@ def test_the_returned_logits_get_no_gradient_from_the_output_when_the_loss_is_re
 
 
 def test_a_plan_that_fits_as_bytes_live_but_not_as_reserved_is_solved_again_under_the_excess():
-    bounds = []
+    bounds, most_live = [], [80]
 
     def solve_under(bound):
         bounds.append(bound)
-        return Recomputed(None, object())
+        return Recomputed(None, SimpleNamespace(peak_memory=min(bound, most_live[0])))  # the plan's live peak
 
     # the first plan lacks 30 B: the second bound (100 - 30) gives a plan that fits
     fitted = solve_reserved(solve_under, 100, lambda c: Footprint(100, 90, 0, 1, 30 if len(bounds) == 1 else 0))
     assert bounds == [100, 70] and fitted.footprint.shortfall == 0 and fitted.chosen.solution is not None
     bounds.clear()
     never = solve_reserved(solve_under, 100, lambda c: Footprint(100, 90, 0, 1, 5))  # 5 B short, every time
-    assert bounds == [100, 95, 85, 65, 25] and never.chosen.solution is None  # lowered by 5, 10, 20, 40
+    # 100 - 5 would not bind the plan (80 B live): lowered from its peak, then by 10, 20, 40 from the bound
+    assert bounds == [100, 75, 65, 45, 5] and never.chosen.solution is None
+    bounds.clear()
+    most_live[0] = 50  # the plan is 50 B live, far under the budget, and lacks 30 B: 50 - 30, not 100 - 30
+    assert solve_reserved(solve_under, 100, lambda c: Footprint(100, 45, 0, 1, 30 if len(bounds) == 1 else 0))
+    assert bounds == [100, 20]
     bounds.clear()
     unlimited = solve_reserved(solve_under, 100, lambda c: Footprint(130, 90, 0))  # a replay with no capacity
-    assert bounds[:2] == [100, 70] and unlimited.chosen.solution is None
+    assert bounds[:2] == [100, 20] and unlimited.chosen.solution is None
     bounds.clear()
     assert solve_reserved(solve_under, 100, lambda c: None).footprint is None and bounds == [100]  # no allocator
 

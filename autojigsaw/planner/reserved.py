@@ -11,8 +11,10 @@ makes. On a device spec with `caching_allocator` the rule is:
    tries again where a request does not fit (as torch does): its peaks, and the bytes a request
    lacked even then (the shortfall);
 3. no shortfall: the plan (its reserved peak is at most B). Otherwise solve again with the rows'
-   bound lowered by the shortfall, doubled at each further try (fragmentation need not shrink with the
-   bytes live), and go back to 2, at most RESOLVES times; then no plan fits.
+   bound lowered by the shortfall (from the plan's live peak where the lowered bound would not bind
+   it: the same plan again), doubled at each further try
+   (fragmentation need not shrink with the bytes live), and go back to 2, at most RESOLVES times;
+   then no plan fits.
 
 The bound only falls, so each solve chooses among fewer plans than the one before. A plan that fits
 only by the allocator giving its cache back (`Footprint.retries` > 0) is kept, and said so in the log:
@@ -82,11 +84,13 @@ def solve_reserved(solve_under: Callable[[float], Recomputed], budget: float,
                 log.info("planner: the plan fits %.4g B only by the caching allocator giving back its cache %d "
                          "times in two steps (each synchronises the device)", budget, last.retries)
             return Fitted(chosen, last)
-        lower = excess * 2**attempt
-        log.info("planner: the plan under a memory bound of %.4g B lacks %.4g B of the budget's %.4g as the caching "
-                 "allocator holds memory (%.4g allocated): solving again under %.4g", bound, excess, budget,
-                 last.allocated, bound - lower)
-        bound -= lower
+        lower, live = excess * 2**attempt, chosen.solution.peak_memory
+        # a bound the plan's live peak stays under would give the same plan again: then lower from its peak
+        start = bound if bound - lower < live else live
+        log.info("planner: the plan under a memory bound of %.4g B (%.4g live at its peak) lacks %.4g B of the "
+                 "budget's %.4g as the caching allocator holds memory (%.4g allocated): solving again under %.4g",
+                 bound, live, excess, budget, last.allocated, start - lower)
+        bound = start - lower
         if bound <= 0:
             break
     return Fitted(Recomputed(chosen.problem, None, chosen.layers), last)
