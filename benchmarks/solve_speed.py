@@ -77,17 +77,20 @@ class Recorder:
 
     def __init__(self):
         self.calls: list[tuple[int, int, bool, float, float]] = []
-        self._solvers = {name: getattr(highs_module, name) for name in ("solve_lp", "solve_mip")}
+        self._solvers = {(highs_module, "solve_mip"): highs_module.solve_mip,
+                         (highs_module.GrowingLp, "solve"): highs_module.GrowingLp.solve}
 
     def __enter__(self):
-        for name, solver in self._solvers.items():
-            setattr(highs_module, name, functools.partial(self._recorded, solver))
+        (mip, lp), recorded = self._solvers.values(), self._recorded
+        highs_module.solve_mip = functools.partial(recorded, mip)
+        highs_module.GrowingLp.solve = lambda this, *args, **kwargs: recorded(functools.partial(lp, this), *args,
+                                                                                **kwargs)
         self.calls.clear()
         return self
 
     def __exit__(self, *exc):
-        for name, solver in self._solvers.items():
-            setattr(highs_module, name, solver)
+        for (owner, name), solver in self._solvers.items():
+            setattr(owner, name, solver)
 
     def _recorded(self, solver, cost, matrix, *args, **kwargs):
         start = time.perf_counter()

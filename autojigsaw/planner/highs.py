@@ -81,6 +81,34 @@ def solve_lp(cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Resu
     return _result(h, dual=True)
 
 
+class GrowingLp:
+    """One LP that only grows (columns and rows appended): each solve after the first adds what is new to the
+    model HiGHS holds and starts from its last basis (dual simplex), where a new model starts from nothing."""
+
+    def __init__(self):
+        self._h: highspy.Highs | None = None
+        self._shape = (0, 0)
+
+    def solve(self, cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Result:
+        """solve_lp of the program as it stands, which extends the one solved before."""
+        n, m = len(cost), matrix.shape[0]
+        if self._h is None:
+            self._h = _highs(cost, matrix, lo, hi, upper, None, time_limit, {})
+        else:
+            cols, rows = self._shape
+            self._h.setOptionValue("time_limit", float(time_limit))
+            if n > cols:
+                self._h.addCols(n - cols, cost[cols:], np.zeros(n - cols), upper[cols:], 0,
+                                np.zeros(n - cols, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
+            if m > rows:
+                new = matrix[rows:].tocsr()
+                self._h.addRows(m - rows, lo[rows:], hi[rows:], new.nnz, new.indptr[:-1].astype(np.int32),
+                                new.indices.astype(np.int32), new.data)
+        self._shape = (n, m)
+        self._h.run()
+        return _result(self._h, dual=True)
+
+
 def solve_mip(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, *,
               start: np.ndarray | None = None, stop: Callable[[np.ndarray, float], bool] | None = None,
               cutoff: float = np.inf, polish: bool = False, mip_gap: float = 0.0,

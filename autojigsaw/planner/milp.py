@@ -80,6 +80,7 @@ class Milp:
         # what a solve found, for the next one on the same rows (the proof after a quick plan that fits):
         # the program only grows, so (variables, rows) names it
         self._relaxed: tuple | None = None
+        self._lp = highs.GrowingLp()
         self._branched: dict[bytes, tuple | None] = {}
         self._accepted_early: np.ndarray | None = None  # the plan a quick round took at once: the proof polishes it
 
@@ -141,7 +142,7 @@ class Milp:
         """The LP relaxation of `program` (this one's arrays), solved once per shape: (variables, rows)."""
         shape = (self.n, len(self.lo))
         if self._relaxed is None or self._relaxed[0] != shape:
-            self._relaxed, self._branched = (shape, highs.solve_lp(*program, time_limit)), {}
+            self._relaxed, self._branched = (shape, self._lp.solve(*program, time_limit)), {}
         return self._relaxed[1]
 
     def _in_windows(self, program: tuple, relaxed, slack: float, deadline: float, prove: bool,
