@@ -10,11 +10,10 @@ makes. On a device spec with `caching_allocator` the rule is:
 2. replay the plan through the allocator on a device of B bytes, which gives its cache back and
    tries again where a request does not fit (as torch does): its peaks, and the bytes a request
    lacked even then (the shortfall);
-3. no shortfall: the plan (its reserved peak is at most B). Otherwise solve again with the rows'
-   bound lowered by the shortfall (from the plan's live peak where the lowered bound would not bind
-   it: the same plan again), doubled at each further try
-   (fragmentation need not shrink with the bytes live), and go back to 2, at most RESOLVES times;
-   then no plan fits.
+3. no shortfall: the plan (its reserved peak is at most B). Otherwise solve again with b lowered by
+   the shortfall (from the plan's live peak if b so lowered would not bind it), doubled at each
+   further try (fragmentation need not shrink with the bytes live), and go back to 2, at most
+   RESOLVES times; then no plan fits.
 
 The bound only falls, so each solve chooses among fewer plans than the one before. A plan that fits
 only by the allocator giving its cache back (`Footprint.retries` > 0) is kept, and said so in the log:
