@@ -44,7 +44,6 @@ _TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers":
                "num_key_value_heads": 2, "vocab_size": 256}
 _TINY_GPT = {"n_embd": 64, "n_inner": 256, "n_layer": 2, "n_head": 4, "vocab_size": 256}
 _TINY_MOE = {**_TINY_LLAMA, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
-_NO_BUDGET = 1e15  # bytes: what a fallback plans under when the run's budget can't hold it
 
 
 def tiny(run: PublishedRun) -> PublishedRun:
@@ -156,15 +155,7 @@ def plan_run(run: PublishedRun) -> Outcome:
 
     start = time.perf_counter()
     try:
-        layout = layout_constraints(run, model)
-        try:
-            plan = planned(run.memory_budget, layout)
-        except ValueError as e:
-            if not notes or "memory" not in str(e).lower():
-                raise
-            notes.append(f"infeasible under {run.memory_budget or 0.9 * spec.memory_bytes:.3g} B: planned "
-                         "without a memory limit")
-            plan = planned(_NO_BUDGET, layout)
+        plan = planned(run.memory_budget, layout_constraints(run, model))
         plan_s = time.perf_counter() - start
         if (folded := expert_layout(plan)) is not None:
             notes.append(folded)
