@@ -168,8 +168,8 @@ def test_a_plan_that_fits_as_bytes_live_but_not_as_reserved_is_solved_again_unde
     assert bounds == [100, 75, 65, 45, 5] and never.chosen.solution is None
     bounds.clear()
     most_live[0] = 50  # the plan is 50 B live, far under the budget, and lacks 30 B: 50 - 30, not 100 - 30
-    assert solve_reserved(solve_under, 100, lambda c: Footprint(100, 45, 0, 1, 30 if len(bounds) == 1 else 0))
-    assert bounds == [100, 20]
+    far = solve_reserved(solve_under, 100, lambda c: Footprint(100, 45, 0, 1, 30 if len(bounds) == 1 else 0))
+    assert bounds == [100, 20] and far.footprint.shortfall == 0 and far.chosen.solution is not None
     bounds.clear()
     unlimited = solve_reserved(solve_under, 100, lambda c: Footprint(130, 90, 0))  # a replay with no capacity
     assert bounds[:2] == [100, 20] and unlimited.chosen.solution is None
