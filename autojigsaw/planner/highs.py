@@ -76,9 +76,7 @@ def _highs(cost, matrix: csc_matrix, lo, hi, upper, integer, time_limit: float, 
 
 def solve_lp(cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Result:
     """The LP min cost.x, lo <= matrix.x <= hi, 0 <= x <= upper, with its row duals."""
-    h = _highs(cost, matrix, lo, hi, upper, None, time_limit, {})
-    h.run()
-    return _result(h, dual=True)
+    return GrowingLp().solve(cost, matrix, lo, hi, upper, time_limit)
 
 
 class GrowingLp:
@@ -87,15 +85,15 @@ class GrowingLp:
 
     def __init__(self):
         self._h: highspy.Highs | None = None
-        self._shape = (0, 0)
 
     def solve(self, cost, matrix: csc_matrix, lo, hi, upper, time_limit: float) -> Result:
-        """solve_lp of the program as it stands, which extends the one solved before."""
+        """The LP min cost.x, lo <= matrix.x <= hi, 0 <= x <= upper, with its row duals: the program as it
+        stands, which extends the one solved before."""
         n, m = len(cost), matrix.shape[0]
         if self._h is None:
             self._h = _highs(cost, matrix, lo, hi, upper, None, time_limit, {})
         else:
-            cols, rows = self._shape
+            cols, rows = self._h.getNumCol(), self._h.getNumRow()
             self._h.setOptionValue("time_limit", float(time_limit))
             if n > cols:
                 self._h.addCols(n - cols, cost[cols:], np.zeros(n - cols), upper[cols:], 0,
@@ -104,7 +102,6 @@ class GrowingLp:
                 new = matrix[rows:].tocsr()
                 self._h.addRows(m - rows, lo[rows:], hi[rows:], new.nnz, new.indptr[:-1].astype(np.int32),
                                 new.indices.astype(np.int32), new.data)
-        self._shape = (n, m)
         self._h.run()
         return _result(self._h, dual=True)
 
