@@ -122,11 +122,12 @@ class Plan:
     "selective" | "selective-op" | "full") pairs) and `data_parallel` ("fsdp" | "ddp" | None) are the
     regime; `stats`: how planning went; `gap`: what its solve proved (0: optimal; kept in its JSON);
     `explainer`: the planner's data behind `explain`; `microbatches` per data replica and step (gradient
-    accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients once per step,
-    outside the graph (FSDP's, DDP's under accumulation); `alternatives`: given a number of GPUs for the
-    mesh, the other meshes tried (autojigsaw.plan.MeshChoice); `pipeline`: with a pipe axis, the stages
-    (autojigsaw.plan.Pipeline), each with its plan on the other axes; `moe_imbalance`: the routing that
-    routed experts' times and bytes are predicted at (Options.moe_imbalance). print() gives the table.
+    accumulation, or the pipeline's), `sums_once`: the data axis sums the gradients outside the graph
+    (FSDP's, each microbatch's; DDP's under accumulation, once per step); `alternatives`: given a number
+    of GPUs for the mesh, the other meshes tried (autojigsaw.plan.MeshChoice); `pipeline`: with a pipe
+    axis, the stages (autojigsaw.plan.Pipeline), each with its plan on the other axes; `moe_imbalance`:
+    the routing that routed experts' times and bytes are predicted at (Options.moe_imbalance). print()
+    gives the table.
 
         plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
         open("plan.json", "w").write(plan.to_json())

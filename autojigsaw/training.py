@@ -85,9 +85,11 @@ class Regime:
     # FSDP gathers the weights once per step and keeps them (and their unsharded gradients) to its end, as a
     # pipeline stage does under PyTorch's schedules; else each layer's for its forward and again its backward
     fsdp_once: bool = False
-    # gradients accumulate over microbatches: the data axis sums them once per step, after the last (DDP's
-    # all-reduce, FSDP's reduce-scatter), out of the graph
+    # gradients accumulate over microbatches: they live all step (the earlier microbatches' are kept), and DDP
+    # sums them over the data axis once, after the last, out of the graph (FSDP reduce-scatters each one's)
     accumulates: bool = False
+    # train_step's microbatches without a pipe axis: one runs at a time, sliced from a batch held whole
+    batch_slices: int = 1
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_CHOICES:
@@ -115,8 +117,8 @@ class Regime:
 
     @property
     def data_sums_once(self) -> bool:
-        """Whether the weights' gradients are summed over the data axis outside the graph, once per step (FSDP
-        always does; DDP does where gradients accumulate over microbatches)."""
+        """Whether the weights' gradients are summed over the data axis outside the graph (FSDP always does,
+        each microbatch's; DDP does where gradients accumulate over microbatches, once per step)."""
         return self.fsdp or (self.data_parallel == "ddp" and self.accumulates)
 
 

@@ -3,8 +3,9 @@
 A pipelined plan names its stages (layers in order, the pipe rank of each as PyTorch's schedule lays
 them out), its schedule, microbatches and bubble, prints within 120 columns and survives JSON; the
 cut moves away from a costly head; a stage's saved activations count once per microbatch it holds;
-gradient accumulation prices its microbatches one after another; a number of GPUs in place of the
-mesh returns the fastest mesh found with the others beside it. Bad input is refused by name.
+gradient accumulation prices its microbatches one after another, FSDP's traffic with each; a number of
+GPUs in place of the mesh returns the fastest mesh found with the others beside it. Bad input is
+refused by name.
 """
 
 import numpy as np
@@ -107,6 +108,18 @@ def test_gradient_accumulation_prices_its_microbatches_one_after_another():
     four = _plan(model, {"tensor": 2}, microbatches=4)
     assert four.microbatches == 4 and four.memory_per_rank < whole.memory_per_rank
     assert whole.step_time < four.step_time < 4 * whole.step_time
+
+
+def test_fsdp_gathers_and_reduce_scatters_with_every_accumulated_microbatch():
+    # on data=2 FSDP's is all the traffic: four microbatches send four times what one sends, and take four times
+    # its step but for the optimizer's, which runs once (train_step reduce-scatters each microbatch's gradients)
+    model, ids, micro = _llama(2), _ids(batch=8), _ids(batch=2)
+    four = autojigsaw.plan(model, (ids,), {"data": 2}, device=DEVICE, example_kwargs={"labels": ids}, microbatches=4)
+    one = autojigsaw.plan(model, (micro,), {"data": 2}, device=DEVICE, example_kwargs={"labels": micro})
+    assert one.comm_bytes > 0 and four.comm_bytes == 4 * one.comm_bytes
+    optimizer = sum(ns.compute_s for ns in one.nodes if ns.kind == "param")
+    assert 0 < optimizer < one.step_time / 2
+    assert four.step_time == pytest.approx(4 * (one.step_time - optimizer) + optimizer, rel=1e-12)
 
 
 def test_a_number_of_gpus_chooses_the_mesh_and_keeps_the_runners_up():

@@ -149,7 +149,7 @@ def _program(model: torch.nn.Module, args: tuple, kwargs: dict, *, device_mesh, 
     if plan is None:
         pins = {ph: pinned[fqn] for ph, fqn in captured.params.items()} if pinned else {}
         plan = planned_on_rank0(lambda: accumulated(planned_or_cached(captured, mesh, options, pins, regime),
-                                                    captured, options.microbatches or 1))
+                                                    options.microbatches or 1))
     check_same_values(values_to_agree(model, captured, args, kwargs, weights=pinned is None,
                                       whole_inputs=options.input_placements is None))
     rank = RankView.of(device_mesh, mesh)

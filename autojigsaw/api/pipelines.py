@@ -26,7 +26,6 @@ from ..mesh import MeshSpec, RankView
 from ..options import Options
 from ..placements import local_shape
 from ..plan import Pipeline, Plan
-from ..planner.layer_costs import stage_work
 from ..planner.pipeline import NO_BUDGET, PipelineChoice, plan_pipeline
 from ..rewrite.recompute import split_layers
 from ..rewrite.rewrite import rewrite
@@ -62,7 +61,7 @@ def plan_model(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: MeshSpec
     args, kwargs = accumulated_inputs(args, kwargs, mesh, options, microbatches)
     symbolic = _symbolic(model, args, kwargs, regime) if options.dynamic else None
     captured = at_sizes(symbolic, args, kwargs) if symbolic else capture_for(model, args, kwargs, regime)
-    return accumulated(plan_captured(captured, mesh, options), captured, microbatches)
+    return accumulated(plan_captured(captured, mesh, options), microbatches)
 
 
 def accumulated_inputs(args: tuple, kwargs: dict, mesh: MeshSpec, options: Options, microbatches: int
@@ -117,13 +116,14 @@ def plan_pipelined(model: torch.nn.Module, args: tuple, kwargs: dict, mesh: Mesh
 
 
 
-def accumulated(plan: Plan, captured: Captured, microbatches: int) -> Plan:
-    """A plan of one microbatch priced as `microbatches` of them run one after another, then one optimizer
-    step (gradients accumulate in place: memory as for one)."""
+def accumulated(plan: Plan, microbatches: int) -> Plan:
+    """A plan of one microbatch priced as `microbatches` of them run one after another, FSDP's gathers and
+    reduce-scatters with each, then one optimizer step and DDP's one sum (the weights' own time). Its memory
+    was planned so already (training.Regime.accumulates, batch_slices)."""
     if microbatches == 1:
         return plan
-    forward, backward, _, per_step = stage_work(plan, captured)
-    return replace(plan, step_time=microbatches * (forward + backward) + per_step, microbatches=microbatches,
+    once = sum(ns.compute_s for ns in plan.nodes if ns.kind == "param")
+    return replace(plan, step_time=microbatches * (plan.step_time - once) + once, microbatches=microbatches,
                    comm_bytes=plan.comm_bytes * microbatches)
 
 

@@ -78,7 +78,8 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
         plan = plan_captured(capture(model, (x,)), MeshSpec.of({"tensor": 2}), Options(device="cpu"))
     """
     device, regime = options.device_spec(), options.regime(mesh)
-    regime = replace(regime, fsdp_once=stage and regime.fsdp, accumulates=stage or (options.microbatches or 1) > 1)
+    slices = 1 if stage else options.microbatches or 1
+    regime = replace(regime, fsdp_once=stage and regime.fsdp, accumulates=stage or slices > 1, batch_slices=slices)
     budget = options.budget()
     t0 = time.perf_counter()
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}

@@ -66,6 +66,7 @@ class Lifetime:
     end: int
     nbytes: int
     stream: str = DEFAULT
+    carried: bool = False  # allocated in the first microbatch, held through the next (accumulated gradients)
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,10 @@ def lifetimes(model: MemoryModel, choice: np.ndarray, facts: StepFacts, *, compi
         nbytes = int(model.vectors[item.vec][choice[i]] * item.scale)
         if nbytes <= 0 or (compiled and i in facts.fused and _own_activation(item, n)):
             continue
+        if item.carried_from >= 0:
+            item = item._replace(start=item.carried_from)
         stream = _stream(item, param_spans[i], model.n_points - 1) if i in facts.params else DEFAULT
-        out.append(Lifetime(item.start, item.end, nbytes, stream))
+        out.append(Lifetime(item.start, item.end, nbytes, stream, item.carried_from >= 0))
         if (i, item.start) in loss_inputs and item.end == 2 * n - 1 - i:  # the gradient of a loss's input
             out.append(Lifetime(item.start, item.start, nbytes))  # and the loss's backward temporary beside it
     for m in model.maxes:
@@ -185,28 +188,34 @@ def _stream(item, spans: list[tuple[int, int]], last: int) -> str:
 def replay(spans: list[Lifetime], n_points: int, *, expandable_segments: bool, capacity: int | None = None,
            steps: int = _STEPS) -> Footprint:
     """The peaks of `steps` steps of `spans` through the caching allocator (the step's persistent
-    items, from its first point to its last, allocated once before), on a device of `capacity` bytes."""
+    items, from its first point to its last, allocated once before), on a device of `capacity` bytes.
+    Under gradient accumulation the steps are microbatches: a carried span is allocated in the first
+    and freed at the last one's end."""
     alloc = Allocator(expandable_segments=expandable_segments, capacity=capacity)
     last = n_points - 1
     # inference: outputs live past the last point (to the caller)
     spans = [replace(t, end=min(t.end, last)) for t in spans if t.start <= min(t.end, last)]
-    persistent = [t for t in spans if t.start == 0 and t.end == last]
+    persistent = [t for t in spans if t.start == 0 and t.end == last and not t.carried]
     for t in persistent:
         alloc.malloc(t.nbytes, t.stream)
     begins, ends = defaultdict(list), defaultdict(list)
-    for k, t in enumerate(_chained([t for t in spans if not (t.start == 0 and t.end == last)])):
+    spans = _chained([t for t in spans if not (t.start == 0 and t.end == last) and not t.carried]) + \
+        [t for t in spans if t.carried]
+    for k, t in enumerate(spans):
         begins[t.start].append((k, t))
         ends[t.end].append((k, t))
     peak, peak_point = alloc.reserved, 0
-    for _ in range(steps):
-        handles = {}
+    handles = {}
+    for step in range(steps):
         for point in range(n_points):
             for k, t in begins[point]:
-                handles[k] = alloc.malloc(t.nbytes, t.stream)
+                if not (t.carried and step > 0):
+                    handles[k] = alloc.malloc(t.nbytes, t.stream)
             if alloc.reserved > peak:
                 peak, peak_point = alloc.reserved, point
-            for k, _ in ends[point]:
-                alloc.free(handles.pop(k))
+            for k, t in ends[point]:
+                if not (t.carried and step < steps - 1):
+                    alloc.free(handles.pop(k))
     return Footprint(alloc.peak_reserved, alloc.peak_allocated, peak_point, alloc.retries, alloc.shortfall)
 
 

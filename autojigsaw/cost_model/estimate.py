@@ -62,12 +62,12 @@ class CostContext:
         return ParamMemory.of(itemsize, mixed=self.regime.precision.mixed,
                               fsdp_ranks=self.mesh.sizes[axis] if sharded else 1,
                               reduce_itemsize=self.regime.precision.reduce_itemsize(itemsize),
-                              kept_gathered=self.regime.fsdp_once)
+                              kept_gathered=self.regime.fsdp_once, accumulated=self.regime.accumulates)
 
     @property
     def summed_axis(self) -> int | None:
-        """The data axis over which the weights' gradients are summed outside the graph, once per step (FSDP's;
-        DDP's under gradient accumulation); None: in the graph, or no data axis."""
+        """The data axis over which the weights' gradients are summed outside the graph (FSDP's, each
+        microbatch's; DDP's under gradient accumulation, once per step); None: in the graph, or no data axis."""
         axes = data_axes(self.mesh) if self.regime.data_sums_once else ()
         return axes[0] if axes and self.mesh.sizes[axes[0]] > 1 else None
 

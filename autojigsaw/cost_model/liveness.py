@@ -31,7 +31,8 @@ class ParamMemory:
     copy, and fp32 gradients and states. FSDP over `d` ranks keeps masters, gradients and
     states sharded (1/d), gathers the compute copy only while its unit runs, and reduce-scatters the
     gradient from a flat copy in the reduce dtype; `kept_gathered` (a pipeline stage's), the compute
-    copy and the unsharded gradient all step.
+    copy and the unsharded gradient all step. `accumulated`: the step runs several microbatches, so the
+    gradient the earlier ones left lives from the step's start.
     """
 
     resident: float = 1.0  # bytes kept all step (the weight; or masters + compute copy)
@@ -39,28 +40,31 @@ class ParamMemory:
     state: float = 1.0  # each optimizer state tensor
     gathered: bool = False  # FSDP: the compute copy lives only in its unit's forward and backward
     scatter: float = 0.0  # FSDP: the gradient's copy in the flat reduce-scatter input
+    accumulated: bool = False  # the gradient lives all step (else from its first contribution)
 
     @classmethod
     def of(cls, itemsize: int, *, mixed: bool, fsdp_ranks: int, reduce_itemsize: int | None = None,
-           kept_gathered: bool = False) -> ParamMemory:
+           kept_gathered: bool = False, accumulated: bool = False) -> ParamMemory:
         master = 4 / itemsize if mixed else 1.0  # fp32 masters per compute byte
         if fsdp_ranks > 1 and kept_gathered:  # the compute copy and the unsharded gradient held all step
             shard = master / fsdp_ranks
-            return cls(shard + 1.0, shard + (reduce_itemsize or itemsize) / itemsize, shard, False, 0.0)
+            return cls(shard + 1.0, shard + (reduce_itemsize or itemsize) / itemsize, shard, False, 0.0, accumulated)
         if fsdp_ranks > 1:
             shard = master / fsdp_ranks
-            return cls(shard, shard, shard, True, (reduce_itemsize or itemsize) / itemsize)
-        return cls(master + (1.0 if mixed else 0.0), master, master, False)
+            return cls(shard, shard, shard, True, (reduce_itemsize or itemsize) / itemsize, accumulated)
+        return cls(master + (1.0 if mixed else 0.0), master, master, False, 0.0, accumulated)
 
 
 class LinearItem(NamedTuple):
-    """`scale` x vectors[vec][strategy of node] bytes, live from point `start` to `end`."""
+    """`scale` x vectors[vec][strategy of node] bytes, live from point `start` to `end`; `carried_from` >= 0:
+    a gradient accumulated over microbatches, allocated at that point of the first one and held since."""
 
     node: int
     vec: int
     start: int
     end: int
     scale: float
+    carried_from: int = -1
 
 
 class Member(NamedTuple):
@@ -147,7 +151,7 @@ class MemoryModel:
         """Bytes live at every program point for one strategy index per node."""
         diff = np.zeros(self.n_points + 1)
         if self.lin:
-            node, vec, start, end, scale = (np.array(c) for c in zip(*self.lin))
+            node, vec, start, end, scale, _ = (np.array(c) for c in zip(*self.lin))
             bytes_ = np.array([self.vectors[v][choice[i]] for v, i in zip(vec, node)]) * scale
             np.add.at(diff, start, bytes_)
             np.add.at(diff, end + 1, -bytes_)
@@ -185,7 +189,7 @@ class MemoryModel:
     def own_bytes(self, n_strategies: list[int]) -> list[np.ndarray]:
         """Per node and strategy: the bytes of the node's own (linear) items, each counted once."""
         own = [np.zeros(k) for k in n_strategies]
-        for node, vec, _, _, scale in self.lin:
+        for node, vec, _, _, scale, _ in self.lin:
             own[node] = own[node] + scale * self.vectors[vec]
         return own
 

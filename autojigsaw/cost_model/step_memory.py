@@ -99,16 +99,18 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
                  kernel_saved: dict[int, np.ndarray] | None = None,
                  param_memory: Callable[[Node, Placements], ParamMemory] | None = None,
-                 params: dict[str, str] | None = None) -> MemoryModel:
+                 params: dict[str, str] | None = None, batch_slices: int = 1) -> MemoryModel:
     """The items of one step. `persistent`: parameter and buffer placeholders (live always);
     `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default);
     `param_memory(placeholder, placements)`: what each of `params` (placeholder -> FQN) keeps in a strategy's
     placements (mixed precision, FSDP);
-    None: plain training.
+    None: plain training. `batch_slices`: the graph runs one of that many microbatches, sliced from a
+    batch whose inputs are held whole all step (train_step's gradient accumulation).
     """
     step = _StepItems(nodes, strategies, sizes, training=training, grad=grad, persistent=persistent,
                       optimizer=optimizer, kernel_saved=kernel_saved or {},
-                      param_memory=param_memory or (lambda placeholder, placements: ParamMemory()), params=params or {})
+                      param_memory=param_memory or (lambda placeholder, placements: ParamMemory()), params=params or {},
+                      batch_slices=batch_slices)
     for k in range(len(nodes)):  # what each node reads: moved copies, saved inputs, the loss's gradient
         step.add_reads(k)
     for i in range(len(nodes)):  # each storage: a weight or buffer all step, an activation while it is needed
@@ -151,8 +153,9 @@ class _StepItems:
     def __init__(self, nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
                  kernel_saved: dict[int, np.ndarray], param_memory: Callable[[Node, Placements], ParamMemory],
-                 params: dict[str, str]):
+                 params: dict[str, str], batch_slices: int):
         self.nodes, self.strategies, self.training, self.grad = nodes, strategies, training, grad
+        self.batch_slices = batch_slices
         self.persistent, self.optimizer, self.kernel_saved = persistent, optimizer, kernel_saved
         self.param_memory, self.params = param_memory, params
         self.model = MemoryModel([n.name for n in nodes], training)
@@ -285,8 +288,10 @@ class _StepItems:
         v = self.model.vector(self.out_bytes[i])
         if node.name in self.persistent:
             self._add_resident(i, v)
-        else:
-            self._add_activation(i, v)
+            return
+        self._add_activation(i, v)
+        if node.op == "placeholder" and self.batch_slices > 1:  # the batch's other slices of this input
+            self.model.lin.append(LinearItem(i, v, 0, self.end, self.batch_slices - 1.0))
 
     def _add_resident(self, i: int, v: int) -> None:
         """A parameter or buffer: resident all step (FSDP: gathered while its unit runs); a trained
@@ -329,7 +334,12 @@ class _StepItems:
                 if pm.gathered:  # the unsharded gradient, until its unit's reduce-scatter copies it in
                     model.lin.append(LinearItem(i, v, self.grad_from[i], bwd(first), 1.0))
                     model.lin.append(LinearItem(i, v, bwd(first), bwd(first), pm.scatter))
-                model.lin.append(LinearItem(i, v, self.grad_from[i], end, pm.grad))
+                elif pm.accumulated:  # this microbatch's gradient, until it is added into the earlier ones'
+                    model.lin.append(LinearItem(i, v, self.grad_from[i], self.grad_from[i], pm.grad))
+                if pm.accumulated:  # the earlier microbatches' gradient, made in the first one's backward
+                    model.lin.append(LinearItem(i, v, 0, end, pm.grad, carried_from=self.grad_from[i]))
+                else:
+                    model.lin.append(LinearItem(i, v, self.grad_from[i], end, pm.grad))
 
     def _add_activation(self, i: int, v: int) -> None:
         """An activation: from its producer to its last reader, then, saved, until its first saver's

@@ -315,7 +315,7 @@ class MilpBuilder:
         # strategy meets a twin that saves the same bytes (the same sharding on the other mesh axis).
         mem, group = self.p.memory, self.p.group
         held = np.zeros(int(self.offsets[-1]))
-        for node, vec, _, _, scale in mem.lin:
+        for node, vec, _, _, scale, _ in mem.lin:
             x = self.x(node)
             held[x:x + self.sizes[group[node]]] += scale * mem.vectors[vec]
         for g in range(len(self.sizes)):
@@ -391,7 +391,7 @@ class MilpBuilder:
         mem, p = self.p.memory, self.p
         coef = np.zeros(int(self.offsets[-1]))
         extra_cols, extra_vals = [], []
-        for node, vec, start, end, scale in mem.lin:
+        for node, vec, start, end, scale, _ in mem.lin:
             if start <= point <= end:
                 x = self.x(node)
                 coef[x:x + self.sizes[p.group[node]]] += scale * mem.vectors[vec]

@@ -91,11 +91,6 @@ class FsdpUnits:
             return None
         return self.root.local(placeholder) if placeholder in self.root._parameters else whole
 
-    def sync_gradients(self, sync: bool) -> None:
-        """Whether the next backward sums the gradients over the data axis (the last microbatch's) or only
-        accumulates them (the others'), as FSDP's no_sync does under gradient accumulation."""
-        self.root.set_requires_gradient_sync(sync)
-
     def run(self, program: Callable[[], object]):
         """program() within the root unit: its weights gathered, the layers' units inside it (a pipeline stage,
         the root itself, runs its program in its own forward instead)."""

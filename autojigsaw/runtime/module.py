@@ -108,8 +108,9 @@ class ParallelModule(nn.Module):
 
         The model must return its loss (a scalar, or an output with `.loss`). With a pipe axis the
         stages run under the plan's schedule and the mean loss of the microbatches comes back on
-        every rank; without one the microbatches run one after another (gradient accumulation,
-        FSDP's gradient sums once, after the last). Step the optimizer after it, as usual.
+        every rank; without one the microbatches run one after another (gradient accumulation: FSDP
+        reduce-scatters each microbatch's gradients into the shards they accumulate in, as torchtitan
+        does, never holding them whole; DDP sums once, after the last). Step the optimizer after it.
 
             loss = pmodel.train_step(ids, labels=ids); opt.step(); opt.zero_grad()
         """
@@ -118,9 +119,7 @@ class ParallelModule(nn.Module):
         microbatches = self.plan.microbatches if self.plan is not None else 1
         chunks = split_microbatches(args, kwargs, microbatches)
         total = None
-        for k, (a, kw) in enumerate(chunks):
-            if self._units is not None:
-                self._units.sync_gradients(k == len(chunks) - 1)
+        for a, kw in chunks:
             loss = loss_of(self(*a, **kw)) / len(chunks)
             loss.backward()
             part = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
