@@ -66,7 +66,8 @@ def test_ranks_with_another_version_are_told_which(ranks2):
         assert message is not None and message.startswith("ranks disagree on the versions"), message
         assert f"ranks [0]: {checks.installed_versions()}" in message, message
         assert f"ranks [1]: {OTHER_VERSIONS}" in message, message
-        assert "give every rank the same installation (torch and autojigsaw versions)" in message, message
+        fix = "give every rank the same installation (torch and autojigsaw versions, autojigsaw's source)"
+        assert fix in message, message
         assert not sharded  # raised before any parameter was sharded, let alone a step ran
 
 

@@ -4,6 +4,7 @@ ignored with a warning (or a log line) and the plan made again; entries are JSON
 import copy
 import json
 import os
+import shutil
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ from autojigsaw.api.cached import cache_fields, planned_or_cached
 from autojigsaw.api.recipe import capture_for
 from autojigsaw.mesh import MeshSpec
 from autojigsaw.planner import solve
+from autojigsaw.runtime import checks
 from autojigsaw.runtime.plan_cache import CACHE_ENV, PlanCache
 from autojigsaw.testing.local_ranks import get_mesh
 from autojigsaw.training import Regime
@@ -79,6 +81,20 @@ def test_what_decides_a_plan_is_in_its_key(cache):
     assert cache_fields(_captured(), MeshSpec.of({"domain": 2}), OPTIONS, {}) != fields
     assert cache_fields(_captured(batch=2), MESH, OPTIONS, {}) != fields  # other input shapes
     assert len(_entries(cache)) == 5
+
+
+def test_another_build_of_the_code_is_another_key(tmp_path):
+    # the key's versions hold a digest of autojigsaw's source: a cost model edited under one version number
+    # never gets the plans the code before it cached
+    copy = tmp_path / "autojigsaw"
+    shutil.copytree(checks.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert checks.source_digest(copy) == checks.source_digest(checks.PACKAGE)
+    edited = copy / "cost_model" / "compute.py"
+    edited.write_text(edited.read_text() + "# edited\n")
+    checks.source_digest.cache_clear()
+    assert checks.source_digest(copy) != checks.source_digest(checks.PACKAGE)
+    versions = cache_fields(_captured(), MESH, OPTIONS, {})["versions"]
+    assert versions.endswith(f"(source {checks.source_digest(checks.PACKAGE)})"), versions
 
 
 def test_a_cached_plan_serves_a_budget_between_its_peak_and_the_one_it_was_made_under(cache):

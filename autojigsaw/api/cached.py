@@ -3,7 +3,8 @@
 The key is everything that decides a plan: the captured program's fingerprint (its code, parameters
 and input shapes), the mesh, the whole device spec (a calibrated one differs), every option but the
 memory budget (a cached plan serves any budget between its peak and the one it was made under), the
-parameters already placed, and the torch and autojigsaw versions. An option no text names alike in
+parameters already placed, and the torch and autojigsaw versions (autojigsaw's with a digest of its source,
+so an edited cost model never reads the plans the code before it made). An option no text names alike in
 another process (a solver or a constraint defined inside a function) turns the cache off for the call.
 """
 

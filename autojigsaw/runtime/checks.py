@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from importlib.metadata import version
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,15 +99,28 @@ def check_agreement(facts: dict[str, str]) -> None:
 
 
 def installed_versions() -> str:
-    """The versions of torch and autojigsaw this rank runs."""
-    return f"torch {torch.__version__}, autojigsaw {_VERSION}"
+    """The versions of torch and autojigsaw this rank runs, autojigsaw's by its source too (a plan cached by
+    one build of the code is never served to another, nor do ranks run different code under one version)."""
+    return f"torch {torch.__version__}, autojigsaw {_VERSION} (source {source_digest(PACKAGE)})"
 
 
-_FIX = {"versions": "installation (torch and autojigsaw versions)", "model": "model (parameter names, shapes "
-        "and dtypes)", "inputs": "input shapes and dtypes", "program": "model code (the program traced from it differs: a constant or "
-        "an attribute set per rank, a branch on the rank)", "plan": "model, inputs and options",
+@functools.cache
+def source_digest(root: Path) -> str:
+    """A digest of the Python sources under `root`: their paths and bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+_FIX = {"versions": "installation (torch and autojigsaw versions, autojigsaw's source)",
+        "model": "model (parameter names, shapes and dtypes)", "inputs": "input shapes and dtypes",
+        "program": "model code (the program traced from it differs: a constant or an attribute set per rank, a "
+                   "branch on the rank)",
+        "plan": "model, inputs and options",
         "options": "options to parallelize (memory_budget, device, optimizer, mp_policy, ...)"}
 _VERSION = version("autojigsaw")
+PACKAGE = Path(__file__).resolve().parents[1]
 _HASH_SEED_HINT = (". The ranks also hash strings with different seeds (PYTHONHASHSEED is not one value on every "
                    "rank), so a model that chooses by the order of a set of strings computes another program on "
                    "each rank (ops only traced in another order are put in rank 0's order instead). Launch every "
