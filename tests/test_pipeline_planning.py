@@ -110,7 +110,7 @@ def test_gradient_accumulation_prices_its_microbatches_one_after_another():
     assert whole.step_time < four.step_time < 4 * whole.step_time
 
 
-def test_fsdp_gathers_and_reduce_scatters_with_every_accumulated_microbatch():
+def test_accumulated_microbatches_send_fsdps_traffic_with_each_and_ddps_sum_once():
     # on data=2 FSDP's is all the traffic: four microbatches send four times what one sends, and take four times
     # its step but for the optimizer's, which runs once (train_step reduce-scatters each microbatch's gradients)
     model, ids, micro = _llama(2), _ids(batch=8), _ids(batch=2)
@@ -120,6 +120,10 @@ def test_fsdp_gathers_and_reduce_scatters_with_every_accumulated_microbatch():
     optimizer = sum(ns.compute_s for ns in one.nodes if ns.kind == "param")
     assert 0 < optimizer < one.step_time / 2
     assert four.step_time == pytest.approx(4 * (one.step_time - optimizer) + optimizer, rel=1e-12)
+    # DDP sums the accumulated gradients once, after the last: 4 microbatches of 2 rows send what 2 of 4 rows do
+    ddp = [autojigsaw.plan(model, (ids,), {"data": 2}, device=DEVICE, example_kwargs={"labels": ids}, microbatches=m,
+                           data_parallel="ddp") for m in (2, 4)]
+    assert ddp[0].comm_bytes > 0 and ddp[0].comm_bytes == ddp[1].comm_bytes
 
 
 def test_a_number_of_gpus_chooses_the_mesh_and_keeps_the_runners_up():
