@@ -37,7 +37,7 @@ def _brute_force(problem, budget):
     objective = objective + sum(e.costs.time[choices[:, e.src], choices[:, e.dst]] for e in problem.edges)
     mem = problem.memory
     profile = np.zeros((len(choices), mem.n_points))
-    for node, vec, start, end, scale in mem.lin:
+    for node, vec, start, end, scale, _ in mem.lin:
         profile[:, start:end + 1] += scale * mem.vectors[vec][choices[:, node]][:, None]
     for item in mem.maxes:
         b = np.max([s * mem.vectors[v][choices[:, n]] for n, v, s in item.members], axis=0)
