@@ -2,6 +2,7 @@
 
 import itertools
 
+import highspy
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -166,6 +167,26 @@ def test_lp_duals_price_every_column_as_the_reduced_cost_fixing_assumes():
     between = (x > 1e-9) & (x < 1 - 1e-9)
     assert between.any() and np.abs(reduced[between]).max() <= 1e-9
     assert lp.objective == pytest.approx(cost @ x)
+
+
+def test_an_lp_a_warm_start_leaves_unsettled_is_solved_again_from_nothing(monkeypatch):
+    """GrowingLp starts a grown LP from its last basis; where HiGHS ends that run unsettled (here at an
+    iteration limit forced on it; a 512-GPU mesh search met status 'Unknown'), it solves the LP again cold."""
+    cost, size, pick_one, matrix, lo, hi, budget = _knapsack(seed=0, groups=12, choices=4)
+    upper, runs, run = np.ones(len(cost)), [], highspy.Highs.run
+
+    def warm_run_stopped_at_once(h):
+        runs.append(1)
+        h.setOptionValue("simplex_iteration_limit", 0 if len(runs) == 1 else 2**31 - 1)
+        return run(h)
+
+    lp = highs.GrowingLp()
+    lp.solve(cost, matrix[:-1], lo[:-1], hi[:-1], upper, 60.0)  # without the budget's row, which binds
+    monkeypatch.setattr(highspy.Highs, "run", warm_run_stopped_at_once)
+    grown = lp.solve(cost, matrix, lo, hi, upper, 60.0)
+    monkeypatch.undo()
+    assert len(runs) == 2  # the warm run, stopped, and the cold one
+    assert grown.objective == pytest.approx(highs.solve_lp(cost, matrix, lo, hi, upper, 60.0).objective)
 
 
 def test_a_branching_ends_at_the_first_improving_plan_its_stop_accepts():

@@ -90,7 +90,8 @@ class GrowingLp:
         """The LP min cost.x, lo <= matrix.x <= hi, 0 <= x <= upper, with its row duals: the program as it
         stands, which extends the one solved before."""
         n, m = len(cost), matrix.shape[0]
-        if self._h is None:
+        warm = self._h is not None
+        if not warm:
             self._h = _highs(cost, matrix, lo, hi, upper, None, time_limit, {})
         else:
             cols, rows = self._h.getNumCol(), self._h.getNumRow()
@@ -103,6 +104,9 @@ class GrowingLp:
                 self._h.addRows(m - rows, lo[rows:], hi[rows:], new.nnz, new.indptr[:-1].astype(np.int32),
                                 new.indices.astype(np.int32), new.data)
         self._h.run()
+        if warm and self._h.getModelStatus() not in _SETTLED:  # the last basis led nowhere: start from nothing
+            self._h.clearSolver()
+            self._h.run()
         return _result(self._h, dual=True)
 
 
