@@ -116,11 +116,13 @@ def measure_step(builder: Callable, args: tuple, mesh_shape: tuple, axes: tuple,
     # MemTracker refuses a module run twice in one tracking: each microbatch's forward starts its module
     # stats afresh (a global hook made before the tracker's runs before them; the peak is kept)
     fresh = register_module_forward_pre_hook(lambda m, a: tracker.reset_mod_stats() if m is pmodel else None)
-    with frozen_weights_tracked():
-        tracker.track_external(pmodel, opt)
-        with count_comm() as log, tracker:
-            step()
-    fresh.remove()
+    try:
+        with frozen_weights_tracked():
+            tracker.track_external(pmodel, opt)
+            with count_comm() as log, tracker:
+                step()
+    finally:  # a global hook: a pool's worker runs later tasks too
+        fresh.remove()
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     total = next(v for k, v in peak.items() if str(getattr(k, "value", k)) == "Total")
     return StepMeasurement(pmodel.plan.comm_bytes, log.total_bytes, pmodel.plan.memory_per_rank, int(total),
