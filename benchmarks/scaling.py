@@ -214,8 +214,9 @@ def _families(args) -> dict:
     mixer = WeatherMixerFamily(spatial_fraction=args.spatial_fraction)
     llama = LlamaFamily(seq=args.seq, depth=args.llama_depth)
     if args.tiny:
-        mixer = replace(mixer, fields=4, lat=16, lon=64, patch=8, unit=8, depth=1, first_guess=4)
-        llama = replace(llama, seq=64, vocab=256, depth=1, first_guess=1)
+        # guesses next to the widest that fit 2 GPUs (32 and 2): the smoke test makes 2 plans per family, not 7 and 3
+        mixer = replace(mixer, fields=4, lat=16, lon=64, patch=8, unit=8, depth=1, first_guess=48)
+        llama = replace(llama, seq=64, vocab=256, depth=1, first_guess=2)
     return {"mixer": mixer, "llama": llama}
 
 
