@@ -123,7 +123,7 @@ def accumulated(plan: Plan, microbatches: int) -> Plan:
     if microbatches == 1:
         return plan
     once = sum(ns.compute_s for ns in plan.nodes if ns.kind == "param")
-    # the data axis' own traffic is the plan's bytes beyond its nodes': DDP's one sum, or FSDP's with each
+    # DDP's one sum is the plan's bytes beyond its nodes' (sent once; FSDP's go with every microbatch)
     ddp_bytes = plan.comm_bytes - sum(ns.comm_bytes for ns in plan.nodes) if plan.data_parallel == "ddp" else 0
     return replace(plan, step_time=microbatches * (plan.step_time - once) + once, microbatches=microbatches,
                    comm_bytes=microbatches * (plan.comm_bytes - ddp_bytes) + ddp_bytes)
