@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from .causal_masks import causal_masks_as_flags
 from .copies import differentiable_copies
 from .eager_strides import record_eager_strides
 from .expert_region import collapse_routed_experts
@@ -102,6 +103,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
         if node.op == "call_function" and node.target in _DROPPED and not node.users:
             gm.graph.erase_node(node)
     collapse_routed_experts(gm)
+    if not dynamic:  # a symbolic graph's mask has no value to check; its plan names the same nodes at every size
+        causal_masks_as_flags(gm)
     gm.graph.lint()
     gm.recompile()
     mutated = [o.target for o in sig.output_specs if o.kind == OutputKind.BUFFER_MUTATION]

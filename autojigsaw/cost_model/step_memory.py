@@ -25,7 +25,10 @@ from .compute import ATTENTION
 from .liveness import LinearItem, MaxItem, Member, MemoryModel, PairItem, ParamMemory
 from .memory import Optimizer, Saved, is_view, saved_for_backward
 
-_LOSS_COPIES = 2.0  # tensors of output size a loss's backward makes besides the gradient (x.square().sum(): 2)
+# Tensors of output size a loss outside the graph holds in its backward, beside the gradient it passes on:
+# x.square().mean() 3 (mean's gradient, then x.pow(1) and 2 * x.pow(1), which pow's backward holds to the end of
+# its expression); .sum() and cross_entropy 2 (MemTracker). The largest, so that the peak is not under-predicted.
+_LOSS_COPIES = 3.0
 
 
 @lru_cache(maxsize=None)
@@ -243,8 +246,8 @@ class _StepItems:
             self.savers.setdefault(r, []).append(Member(k, model.vector(kept),
                                                         self.numel[r] / max(math.prod(val.shape), 1)))
         if is_output and self.training and (val.ndim == 0 or not self.loss_returned):
-            # the loss: the output's gradient and a working copy (a model that returns its loss
-            # gets gradients from it alone, not from the logits it returns beside it)
+            # the loss outside the graph: its backward's copies beside the output's gradient (a model that
+            # returns its loss gets gradients from it alone, not from the logits it returns beside it)
             model.lin.append(LinearItem(k, model.vector(in_b), bwd(k), bwd(k), _LOSS_COPIES))
         if is_output or (node.op == "call_function" and is_view(node)):
             return
