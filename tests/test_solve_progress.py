@@ -61,10 +61,10 @@ def test_elsewhere_a_log_line_every_10_seconds(caplog):
 
 
 def test_a_real_solve_reports_its_incumbents_and_bounds_as_it_goes():
-    """GPT-2 under 60 % of its memory branches; a clock that moves a second a reading shows its progress."""
+    """GPT-2 under 65 % of its memory branches; a clock that moves a second a reading shows its progress."""
     model, inputs = build("gpt2")
     problem = _problem(model, inputs, {"tensor": 2})
-    budget = 0.6 * replicated_bytes("gpt2", torch.float64)
+    budget = 0.65 * replicated_bytes("gpt2", torch.float64)
 
     class Fast(_Clock):
         def __call__(self) -> float:
