@@ -34,7 +34,7 @@ def causal_masks_as_flags(gm: GraphModule) -> int:
 
     Returns how many did; the mask nodes no other node reads are erased.
     """
-    verdicts: dict[Node, bool] = {}
+    verdicts: dict[Node, set[Node] | None] = {}  # mask -> its subgraph where it is causal
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     changed = 0
     for node in list(gm.graph.nodes):
@@ -45,18 +45,24 @@ def causal_masks_as_flags(gm: GraphModule) -> int:
         if not isinstance(mask, Node) or kwargs["is_causal"] or not _square(kwargs):
             continue
         if mask not in verdicts:
-            try:
-                verdicts[mask] = _is_causal(mask, order)
-            except Exception:  # noqa: BLE001 - an op that does not run here: the mask stays as the model wrote it
-                verdicts[mask] = False
-        if verdicts[mask]:
+            verdicts[mask] = _causal_region(mask, order)
+        if verdicts[mask] is not None:
             q, k, v = (kwargs.pop(name) for name in ("query", "key", "value"))
             node.args, node.kwargs = (q, k, v), {**kwargs, "attn_mask": None, "is_causal": True}
             changed += 1
-    for mask, causal in verdicts.items():
-        if causal:
-            _erase_unread(gm, mask, order)
+    for region in verdicts.values():
+        if region is not None:
+            _erase_unread(gm, region, order)
     return changed
+
+
+def _causal_region(mask: Node, order: dict[Node, int]) -> set[Node] | None:
+    """`mask` and the nodes it is computed from, where it depends on no input and is exactly causal; else None."""
+    region = _ancestors(mask)
+    try:
+        return region if region is not None and _is_causal(mask, region, order) else None
+    except Exception:  # noqa: BLE001 - an op that does not run here: the mask stays as the model wrote it
+        return None
 
 
 def _square(kwargs: dict) -> bool:
@@ -67,11 +73,8 @@ def _square(kwargs: dict) -> bool:
     return q.shape[-2] == k.shape[-2] and tuple(mask.shape[-2:]) == (q.shape[-2], k.shape[-2])
 
 
-def _is_causal(mask: Node, order: dict[Node, int]) -> bool:
-    """Is `mask`, computed from constants alone, True exactly on and below the diagonal?"""
-    region = _ancestors(mask)
-    if region is None:
-        return False
+def _is_causal(mask: Node, region: set[Node], order: dict[Node, int]) -> bool:
+    """Is `mask`, computed by the nodes of `region` from constants alone, True exactly on and below the diagonal?"""
     whole: dict[Node, object] = {}
     for node in sorted(region, key=order.__getitem__):
         val = node.meta.get("val")
@@ -176,8 +179,8 @@ def _agrees(values: torch.Tensor, start: int, stop: int, columns: int) -> bool:
     return bool((values == causal).all())
 
 
-def _erase_unread(gm: GraphModule, mask: Node, order: dict[Node, int]) -> None:
-    """Erase `mask` and what it is computed from, as far as no other node reads them."""
-    for node in sorted(_ancestors(mask), key=order.__getitem__, reverse=True):
+def _erase_unread(gm: GraphModule, region: set[Node], order: dict[Node, int]) -> None:
+    """Erase a mask's `region` (the mask and what it is computed from), as far as no other node reads them."""
+    for node in sorted(region, key=order.__getitem__, reverse=True):
         if not node.users:
             gm.graph.erase_node(node)
