@@ -1,6 +1,8 @@
 """A boolean attention mask computed from no input and exactly causal becomes SDPA's is_causal=True: as
 transformers' eager run passes it, so the flash kernel runs and no S x S mask is held; any other mask stays."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,3 +118,24 @@ def test_a_sliding_window_shorter_than_the_sequence_stays():
                                      num_key_value_heads=2, vocab_size=128, sliding_window=4, use_cache=False)
     model = transformers.MistralForCausalLM(cfg)
     assert _attention(capture(model, (torch.randint(0, 128, (2, 16)),)).gm) == [(False, True)]
+
+
+class _TwoMasks(Masked):
+    """Two attentions, each with its own mask node expanded from one comparison of positions."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        causal = _positions(s)
+        first = F.scaled_dot_product_attention(q, k, v, attn_mask=causal.expand(b, 1, s, s))
+        return F.scaled_dot_product_attention(first, k, v, attn_mask=causal.expand(b, 4, s, s)).sum()
+
+
+def test_causal_masks_sharing_their_nodes_are_erased_once():
+    model, x = _TwoMasks(None), torch.randn(2, 8, 32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="erase_node")  # fx warns when a node is erased twice
+        captured = capture(model, (x,))
+    assert _attention(captured.gm) == [(True, False)] * 2
+    assert _square_bool_nodes(captured.gm, 8) == []
+    torch.testing.assert_close(captured.gm(*_feeds(captured, model, (x,)))[0], model(x))

@@ -50,9 +50,7 @@ def causal_masks_as_flags(gm: GraphModule) -> int:
             q, k, v = (kwargs.pop(name) for name in ("query", "key", "value"))
             node.args, node.kwargs = (q, k, v), {**kwargs, "attn_mask": None, "is_causal": True}
             changed += 1
-    for region in verdicts.values():
-        if region is not None:
-            _erase_unread(gm, region, order)
+    _erase_unread(gm, set().union(*(region for region in verdicts.values() if region is not None)), order)
     return changed
 
 
@@ -180,7 +178,8 @@ def _agrees(values: torch.Tensor, start: int, stop: int, columns: int) -> bool:
 
 
 def _erase_unread(gm: GraphModule, region: set[Node], order: dict[Node, int]) -> None:
-    """Erase a mask's `region` (the mask and what it is computed from), as far as no other node reads them."""
+    """Erase the causal masks' `region` (the masks and what they are computed from; masks may share nodes, each
+    erased once), as far as no other node reads them."""
     for node in sorted(region, key=order.__getitem__, reverse=True):
         if not node.users:
             gm.graph.erase_node(node)
