@@ -47,7 +47,8 @@ class Options:
       autojigsaw.cost_model.memory.Optimizer.
     - `input_placements`: per input tensor, DTensor placements with one per mesh axis (`(Shard(0),
       Replicate())`) or None to let autojigsaw choose; None: it chooses all. Given to `parallelize`, the
-      caller passes this rank's shards.
+      caller passes this rank's shards; otherwise every rank is passed each input whole and holds it all
+      step (`memory_per_rank` counts it), however the plan splits it.
     - `output_placements`: likewise per output tensor; `parallelize` then returns this rank's shards.
     - `tie_layers`: one shared strategy per node of repeated layers; None: for big problems only.
     - `mp_policy`: a torch.distributed.fsdp.MixedPrecisionPolicy (compute in param_dtype, fp32 masters,

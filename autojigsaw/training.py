@@ -57,6 +57,11 @@ class Precision:
         """Whether the parameters compute in another dtype than the fp32 masters the optimizer keeps."""
         return self.param_dtype is not None and self.param_dtype != torch.float32
 
+    @property
+    def input_widen(self) -> float:
+        """A floating input's bytes as the caller passes it (fp32) per byte the graph computes it in."""
+        return 4 / self.param_dtype.itemsize if self.mixed else 1.0
+
     def reduce_itemsize(self, itemsize: int) -> int:
         """Bytes per element of a gradient sum for a parameter of `itemsize`-byte elements."""
         if not self.mixed:
@@ -90,6 +95,9 @@ class Regime:
     accumulates: bool = False
     # train_step's microbatches without a pipe axis: one runs at a time, sliced from a batch held whole
     batch_slices: int = 1
+    # the caller passes each input whole and every rank slices its shard, a view: the whole input lives all step
+    # (False: input_placements, the caller passes its shards)
+    whole_inputs: bool = True
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_CHOICES:

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import sympy
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 
 import autojigsaw
 from autojigsaw.cost_model.comm import RING, TREE_ALL_REDUCE, collective_time
@@ -58,6 +60,28 @@ def test_a_step_of_accumulated_microbatches_holds_their_gradients_and_the_whole_
     measured peak; now it is exact, as a step of one is (test_predicted_bytes_and_peak_memory_match_measured)."""
     for r in ranks2.run(measure_step, small_model, ("mlp", (8, 64, 16)), (2,), ("tensor",), microbatches=4):
         assert abs(r.memory_error) <= 0.01, (r.predicted_peak, r.peak)
+
+
+def _input_items(**options) -> list[tuple[float, int, int]]:
+    """(bytes, first point, last point) of the memory items of the MLP's input x (8 x 64 x 16 floats) on tensor=2,
+    its batch split; the step's last point is 20."""
+    model, inputs = small_model("mlp", (8, 64, 16))
+    plan = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", **options)
+    assert plan.input_placements == ((Shard(0),),)
+    memory, choice = plan.explainer.problem.memory, plan.explainer.solution.choice
+    x = plan.explainer.problem.names.index("x")
+    return [(it.scale * memory.vectors[it.vec][choice[x]], it.start, it.end) for it in memory.lin if it.node == x]
+
+
+def test_an_input_is_held_as_the_caller_passes_it():
+    """Passed whole (32 KiB), x lives whole all step on every rank and its shard is a view; under bf16 mixed precision
+    the caller's fp32 x lives all step and its shard is cast, a copy (8 KiB) from x's point to its last reader;
+    passed as this rank's shards (input_placements), the shard (16 KiB) alone."""
+    split = {"x": lambda strategy: strategy.outputs[0] == (Shard(0),)}
+    assert _input_items(constraints=split) == [(32768, 0, 20)]
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert _input_items(constraints=split, mp_policy=bf16) == [(32768, 0, 20), (8192, 4, 8)]
+    assert _input_items(input_placements=[(Shard(0),)]) == [(16384, 4, 8)]
 
 
 def test_collective_bytes_and_ring_or_tree_time():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Shard
 
 import autojigsaw
 from autojigsaw import Plan
@@ -353,6 +353,26 @@ def test_a_residual_gradient_is_held_from_its_first_contribution(ranks2):
     planned = autojigsaw.plan(model, inputs, {"tensor": 2}, device=CPU_100US, activation_checkpointing="full")
     assert {policy for _, policy in planned.recompute} == {"full"} and len(planned.recompute) == 2, planned.recompute
     for r in ranks2.run(measure_step, batch_of_8, ("convnextv2",), (2,), ("tensor",), plan=planned.to_json(),
+                        device=CPU_100US):
+        assert abs(r.memory_error) <= 0.05, (r.predicted_peak, r.peak)
+
+
+def _batch_split(strategy) -> bool:
+    return strategy.outputs[0] == (Shard(0),)
+
+
+def test_an_input_passed_whole_is_held_whole_by_every_rank(ranks2):
+    """The caller passes each input whole and each rank reads its shard of it, a view: the whole input lives all
+    step. The memory model counted the shard: ConvNeXt V2 with its batch of images split over the tensor axis and
+    every stage recomputed peaks in a stage's backward, predicted 6.2 % under; now 1.9 %."""
+    model, inputs = batch_of_8("convnextv2")
+    free = autojigsaw.plan(model, inputs, {"tensor": 2}, device=CPU_100US, activation_checkpointing="full")
+    batch_split = {n.name: _batch_split for n in free.nodes
+                   if n.module.startswith(("convnextv2.embeddings", "convnextv2.encoder")) and n.kind != "param"}
+    split = autojigsaw.plan(model, inputs, {"tensor": 2}, device=CPU_100US, activation_checkpointing="full",
+                            constraints=batch_split)
+    assert split.input_placements == ((Shard(0),),) and len(split.recompute) == 2, split
+    for r in ranks2.run(measure_step, batch_of_8, ("convnextv2",), (2,), ("tensor",), plan=split.to_json(),
                         device=CPU_100US):
         assert abs(r.memory_error) <= 0.05, (r.predicted_peak, r.peak)
 

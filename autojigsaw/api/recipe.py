@@ -79,7 +79,8 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     """
     device, regime = options.device_spec(), options.regime(mesh)
     slices = 1 if stage else options.microbatches or 1
-    regime = replace(regime, fsdp_once=stage and regime.fsdp, accumulates=stage or slices > 1, batch_slices=slices)
+    regime = replace(regime, fsdp_once=stage and regime.fsdp, accumulates=stage or slices > 1, batch_slices=slices,
+                     whole_inputs=options.input_placements is None)
     budget = options.budget()
     t0 = time.perf_counter()
     fixed = {**_fixed_inputs(captured, mesh, options.input_placements), **(pinned or {})}

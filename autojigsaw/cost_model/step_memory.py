@@ -102,18 +102,22 @@ def build_memory(nodes: list[Node], strategies: list[list[Strategy]], sizes: tup
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
                  kernel_saved: dict[int, np.ndarray] | None = None,
                  param_memory: Callable[[Node, Placements], ParamMemory] | None = None,
-                 params: dict[str, str] | None = None, batch_slices: int = 1) -> MemoryModel:
+                 params: dict[str, str] | None = None, batch_slices: int = 1, whole_inputs: bool = False,
+                 input_widen: float = 1.0) -> MemoryModel:
     """The items of one step. `persistent`: parameter and buffer placeholders (live always);
     `kernel_saved[i]`: bytes node i saves per strategy by its kernel's cost function (NaN: default);
     `param_memory(placeholder, placements)`: what each of `params` (placeholder -> FQN) keeps in a strategy's
     placements (mixed precision, FSDP);
     None: plain training. `batch_slices`: the graph runs one of that many microbatches, sliced from a
-    batch whose inputs are held whole all step (train_step's gradient accumulation).
+    batch whose inputs are held whole all step (train_step's gradient accumulation). `whole_inputs`: the caller
+    passes each input whole and holds it all step, each rank reading its shard as a view (else the graph's
+    inputs are the caller's shards); `input_widen`: a floating input's bytes as passed per byte the graph
+    reads (mixed precision: fp32 inputs, their shards cast to the compute dtype, a copy).
     """
     step = _StepItems(nodes, strategies, sizes, training=training, grad=grad, persistent=persistent,
                       optimizer=optimizer, kernel_saved=kernel_saved or {},
                       param_memory=param_memory or (lambda placeholder, placements: ParamMemory()), params=params or {},
-                      batch_slices=batch_slices)
+                      batch_slices=batch_slices, whole_inputs=whole_inputs, input_widen=input_widen)
     for k in range(len(nodes)):  # what each node reads: moved copies, saved inputs, the loss's gradient
         step.add_reads(k)
     for i in range(len(nodes)):  # each storage: a weight or buffer all step, an activation while it is needed
@@ -156,9 +160,9 @@ class _StepItems:
     def __init__(self, nodes: list[Node], strategies: list[list[Strategy]], sizes: tuple[int, ...], *,
                  training: bool, grad: dict[str, bool], persistent: set[str], optimizer: Optimizer,
                  kernel_saved: dict[int, np.ndarray], param_memory: Callable[[Node, Placements], ParamMemory],
-                 params: dict[str, str], batch_slices: int):
+                 params: dict[str, str], batch_slices: int, whole_inputs: bool, input_widen: float):
         self.nodes, self.strategies, self.training, self.grad = nodes, strategies, training, grad
-        self.batch_slices = batch_slices
+        self.batch_slices, self.whole_inputs, self.input_widen = batch_slices, whole_inputs, input_widen
         self.persistent, self.optimizer, self.kernel_saved = persistent, optimizer, kernel_saved
         self.param_memory, self.params = param_memory, params
         self.model = MemoryModel([n.name for n in nodes], training)
@@ -291,10 +295,26 @@ class _StepItems:
         v = self.model.vector(self.out_bytes[i])
         if node.name in self.persistent:
             self._add_resident(i, v)
-            return
-        self._add_activation(i, v)
-        if node.op == "placeholder" and self.batch_slices > 1:  # the batch's other slices of this input
-            self.model.lin.append(LinearItem(i, v, 0, self.end, self.batch_slices - 1.0))
+        elif node.op == "placeholder" and self.whole_inputs and output_values(node)[0] is not None:
+            self._add_whole_input(i, v)
+        else:
+            self._add_activation(i, v)
+            if node.op == "placeholder" and self.batch_slices > 1:  # the batch's other slices of this input
+                self.model.lin.append(LinearItem(i, v, 0, self.end, self.batch_slices - 1.0))
+
+    def _add_whole_input(self, i: int, v: int) -> None:
+        """An input the caller passes whole: held by the caller all step (every microbatch's slice of it), this
+        rank's shard a view of it; under mixed precision a floating shard is cast, a copy that lives as an
+        activation."""
+        val = output_values(self.nodes[i])[0]
+        cast = self.input_widen != 1.0 and val.dtype.is_floating_point
+        whole = np.full(len(self.strategies[i]), float(math.prod(val.shape) * val.dtype.itemsize))
+        scale = self.batch_slices * (self.input_widen if cast else 1.0)
+        self.model.lin.append(LinearItem(i, self.model.vector(whole), 0, self.end, scale))
+        if cast:
+            self._add_activation(i, v)
+        else:
+            self._add_gradient(i, v)
 
     def _add_resident(self, i: int, v: int) -> None:
         """A parameter or buffer: resident all step (FSDP: gathered while its unit runs); a trained
@@ -361,8 +381,12 @@ class _StepItems:
             else:
                 model.kept_maxes[len(model.maxes)] = i
                 model.maxes.append(MaxItem(tuple(saved_by), last_read + 1, self.bwd(first)))
+        self._add_gradient(i, v)
+
+    def _add_gradient(self, i: int, v: int) -> None:
+        """A value's gradient during backward, from its first contribution to its producer's backward."""
         if self.training and self.grad.get(self.nodes[i].name, False) and i in self.grad_from:
-            model.lin.append(LinearItem(i, v, self.grad_from[i], self.bwd(i), 1.0))
+            self.model.lin.append(LinearItem(i, v, self.grad_from[i], self.bwd(i), 1.0))
 
     def add_optimizer_temporaries(self) -> None:
         """The optimizer step's temporaries, one parameter at a time: the largest parameter's."""

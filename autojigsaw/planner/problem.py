@@ -148,7 +148,8 @@ def build_problem(gm: GraphModule, ctx: CostContext, params: dict[str, str], gra
             edges.append(Edge(index[src], index[node], k, cache[key]))
     memory = build_memory(nodes, strategies, ctx.mesh.sizes, training=ctx.training, grad=grad,
                           persistent=persistent, optimizer=ctx.optimizer, kernel_saved=kernel_saved,
-                          param_memory=ctx.param_memory, params=params, batch_slices=ctx.regime.batch_slices)
+                          param_memory=ctx.param_memory, params=params, batch_slices=ctx.regime.batch_slices,
+                          whole_inputs=ctx.regime.whole_inputs, input_widen=ctx.regime.precision.input_widen)
     if tie_layers is None:
         tie_layers = sum(len(s) for s in strategies) > TIE_ABOVE
     group = tie_groups(nodes, strategies, params) if tie_layers else np.arange(len(nodes))
