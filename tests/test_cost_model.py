@@ -76,12 +76,15 @@ def _input_items(**options) -> list[tuple[float, int, int]]:
 def test_an_input_is_held_as_the_caller_passes_it():
     """Passed whole (32 KiB), x lives whole all step on every rank and its shard is a view; under bf16 mixed precision
     the caller's fp32 x lives all step and its shard is cast, a copy (8 KiB) from x's point to its last reader;
-    passed as this rank's shards (input_placements), the shard (16 KiB) alone."""
+    passed as this rank's shards (input_placements), the shard (16 KiB) alone. A budget that does not fit says that
+    x is held whole and how not to."""
     split = {"x": lambda strategy: strategy.outputs[0] == (Shard(0),)}
     assert _input_items(constraints=split) == [(32768, 0, 20)]
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     assert _input_items(constraints=split, mp_policy=bf16) == [(32768, 0, 20), (8192, 4, 8)]
     assert _input_items(input_placements=[(Shard(0),)]) == [(16384, 4, 8)]
+    with pytest.raises(ValueError, match="holds the input x whole, as passed: input_placements= passes each rank"):
+        autojigsaw.plan(*small_model("mlp", (8, 64, 16)), {"tensor": 2}, device="cpu", memory_budget=50_000)
 
 
 def test_collective_bytes_and_ring_or_tree_time():

@@ -51,6 +51,31 @@ def test_the_routing_a_plan_is_priced_at_survives_json():
     assert autojigsaw.evaluate(again, model, inputs, device="cpu", moe_imbalance=3).moe_imbalance == 3
 
 
+class _Permuted(torch.nn.Module):
+    """A model whose first op is a view of its input (the Jigsaw mixer's permute of its fields)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x.permute(0, 2, 1))
+
+
+def test_evaluate_prices_a_plan_whose_view_reads_a_slice_of_its_whole_input():
+    """The plan keeps x whole and its permute reads x's shard (a slice). evaluate pinned x whole, and offered its
+    permute only what a whole x gives: "no sharding rule offers" the plan's strategy (the Jigsaw runs' TF32 rows
+    failed so). The inputs are pinned on data axes alone, as the planner pins them."""
+    torch.manual_seed(0)
+    model, inputs = _Permuted(), (torch.randn(4, 8, 16),)
+    whole, split = (Replicate(), Replicate()), (Replicate(), Shard(1))
+    plan = autojigsaw.plan(model, inputs, {"data": 1, "tensor": 2}, device="cpu",
+                           constraints={"x": lambda s: s.outputs[0] == whole, "permute": lambda s: s.inputs[0] == split})
+    assert plan.input_placements == (whole,) and plan.node("permute").inputs == (split,)
+    again = autojigsaw.evaluate(plan, model, inputs, device="cpu")
+    assert (again.step_time, again.memory_per_rank) == (plan.step_time, plan.memory_per_rank)
+
+
 def _apply_saved(text):
     from autojigsaw.testing.local_ranks import get_mesh
 

@@ -24,7 +24,8 @@ from ..planner.assemble import assemble, fixed_solution
 from ..planner.recompute import with_layers_recomputed
 from ..planner.reserved import allocator_facts, footprint
 from ..strategies.annotate import annotate
-from ..training import Precision, Regime
+from ..strategies.data_pins import data_pins
+from ..training import Precision, Regime, data_axes
 
 from .meshes import plan_on_gpus
 from .pipelines import plan_model
@@ -88,6 +89,16 @@ def best_mesh(model: torch.nn.Module, example_inputs: Sequence, world_size: int,
     return chosen.sizes, chosen.axis_names
 
 
+def _data_axis_pins(captured, plan: Plan) -> dict:
+    """The plan's input placements on its data axes, pinned as the planner pins them there (data_pins); its
+    other axes free, as they were to the planner, so that every strategy it could choose is offered again (an
+    input pinned whole offers no reader the slice of it the plan reads)."""
+    axes = set(data_axes(plan.mesh))
+    pins = {name: tuple(p if a in axes else None for a, p in enumerate(placements))
+            for name, placements in zip(captured.inputs, plan.input_placements) if placements is not None}
+    return data_pins(captured, plan.mesh, pins)
+
+
 def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, device: str | DeviceSpec,
              optimizer: OptimizerName | Optimizer = "adam", example_kwargs: Mapping | None = None,
              mp_policy: MixedPrecisionPolicy | None = None, moe_imbalance: float | None = None) -> Plan:
@@ -104,8 +115,7 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     """
     regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel)
     captured = capture_for(model, _positional(example_inputs), dict(example_kwargs or {}), regime)
-    fixed = {name: pl for name, pl in zip(captured.inputs, plan.input_placements) if pl is not None}
-    annotate(captured.gm, plan.mesh, fixed, plan.output_placements)
+    annotate(captured.gm, plan.mesh, _data_axis_pins(captured, plan), plan.output_placements)
     imbalance = plan.moe_imbalance if moe_imbalance is None else moe_imbalance
     check_imbalance(imbalance)
     device = device_spec(device)

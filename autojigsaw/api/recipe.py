@@ -98,7 +98,8 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
     chosen = fitted.chosen
     problem, solution = held(chosen.problem), chosen.solution
     if solution is None:
-        raise infeasible_error(captured, problem, mesh, budget, recompute=policy, reserved=fitted.footprint)
+        raise infeasible_error(captured, problem, mesh, budget, recompute=policy, reserved=fitted.footprint,
+                               whole_inputs=regime.whole_inputs)
     t3 = time.perf_counter()
     planned = with_regime(assemble(captured, problem, solution, ctx, budget, fitted.footprint), ctx, chosen.layers)
     planned = replace(planned, moe_imbalance=options.moe_imbalance)

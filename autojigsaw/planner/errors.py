@@ -19,9 +19,11 @@ class PlanDoesNotFit(ValueError):
 
 
 def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budget: int,
-                     recompute: str = "none", reserved: Footprint | None = None) -> PlanDoesNotFit:
+                     recompute: str = "none", reserved: Footprint | None = None,
+                     whole_inputs: bool = False) -> PlanDoesNotFit:
     """No strategy choice fits the budget: say how far off, and which tensors weigh most where it peaks.
-    `reserved`: the last plan that fitted as bytes live but not as the caching allocator holds them."""
+    `reserved`: the last plan that fitted as bytes live but not as the caching allocator holds them;
+    `whole_inputs`: the caller passes each input whole (training.Regime.whole_inputs)."""
     mem = problem.memory
     own = mem.own_bytes([len(s) for s in problem.strategies])
     lean = np.array([int(np.argmin(o)) for o in own])
@@ -31,6 +33,9 @@ def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budge
     heaviest = sorted(live.items(), key=lambda kv: -sum(kv[1]))[:5]
     listing = ", ".join(f"{names.get(problem.names[n], problem.names[n])} ({_weight(kept, rest)})"
                         for n, (kept, rest) in heaviest if kept + rest > 0)
+    inputs = [problem.names[n] for n, _ in heaviest if problem.names[n] in captured.inputs]
+    held = (f"Every rank holds the input{'s' * (len(inputs) > 1)} {', '.join(inputs)} whole, as passed: "
+            "input_placements= passes each rank only its shard. " if whole_inputs and inputs else "")
     if reserved is not None:
         lacks = reserved.shortfall or reserved.reserved - budget
         lead = (f"no plan fits the memory budget of {format_bytes(budget)} per rank on mesh {mesh.describe()} as "
@@ -45,6 +50,7 @@ def infeasible_error(captured: Captured, problem: Problem, mesh: MeshSpec, budge
     return PlanDoesNotFit(
         lead
         + f"Largest there, sharded as far as the mesh allows (with gradients and optimizer state): {listing}. "
+        + held
         + (f"Recomputation was tried (activation_checkpointing={recompute!r}). " if recompute != "none" else
            "Try activation_checkpointing='auto' (or 'full'), which recomputes activations instead of keeping them. ")
         + "Relax one of: a bigger mesh (more ranks to shard over), a larger memory_budget, "
