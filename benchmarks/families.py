@@ -39,6 +39,9 @@ class WeatherMixerFamily:
     name: str = "weather mixer"
     device: str = "a100-40gb"  # the paper's GPU, 4 to a node
     gpus: tuple[int, ...] = (1, 2, 4, 8)  # the paper's counts: 17,280 tokens leave little to split beyond
+    # each rank is passed only its slice of the sample (Jigsaw's loaders read a rank's part): the planner chooses
+    # the split, and no rank holds the whole fields
+    input_placements: tuple | None = (None, None)
 
     def widths(self, k: int) -> dict:
         return dict(dim=k * self.unit, spatial_fraction=self.spatial_fraction)
@@ -86,6 +89,7 @@ class LlamaFamily:
     name: str = "llama"
     device: str = "h100"
     gpus: tuple[int, ...] = (1, 2, 4, 8, 16, 64, 256, 1024)
+    input_placements: tuple | None = None  # the token ids passed whole to every rank
 
     def widths(self, k: int) -> dict:
         h = 128 * k

@@ -27,7 +27,7 @@ from autojigsaw.cost_model.devices import GiB
 from autojigsaw.strategies.rules.conv import PATCH_GEMM
 
 from .common import Report
-from .families import load_example
+from .families import WeatherMixerFamily, load_example
 from .scaling import mesh_for
 
 SOURCE = "github.com/DeifiliaTo/Jigsaw_SC (commit 81c2d8c), cases/C3/scaling_noload_{singlep,mixedp}/*/*/*.out"
@@ -112,7 +112,8 @@ def plan_run(run: MeasuredRun, tiny: bool) -> Outcome:
     start = time.perf_counter()
     try:
         plan = autojigsaw.plan(model, (x, target), mesh_for(run.gpus), device=run.device,
-                               memory_budget=2**20 * 64 if tiny else None)
+                               memory_budget=2**20 * 64 if tiny else None,
+                               input_placements=WeatherMixerFamily.input_placements)
     except ValueError as e:
         return Outcome(run, params, None, None, time.perf_counter() - start, str(e).splitlines()[0][:160])
     convs = with_convolutions(plan, model, (x, target), run.device)

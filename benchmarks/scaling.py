@@ -90,7 +90,7 @@ class Search:
         start = time.perf_counter()
         try:
             return autojigsaw.plan(model, inputs, mesh, device=self.device, memory_budget=self.budget,
-                                   **self.options)
+                                   input_placements=self.family.input_placements, **self.options)
         except ValueError as e:
             if str(e).startswith("no plan fits"):  # autojigsaw's infeasibility error
                 return None

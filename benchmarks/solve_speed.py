@@ -153,10 +153,12 @@ MIXERS = [("Jigsaw mixer dim 29408 on 2x2, mixed, auto", 1838, TWO_BY_TWO),
 
 
 def run_mixer(name: str, size: int, mesh: dict[str, int], solver, mip_gap: float) -> tuple:
-    model, inputs = WeatherMixerFamily().build(size)
+    family = WeatherMixerFamily()
+    model, inputs = family.build(size)
     with Recorder() as rec:
         plan = autojigsaw.plan(model, inputs, mesh, device="a100-40gb", mp_policy=MIXED,
-                               activation_checkpointing="auto", solver=solver, mip_gap=mip_gap)
+                               activation_checkpointing="auto", solver=solver, mip_gap=mip_gap,
+                               input_placements=family.input_placements)
     recomputed = ", ".join(sorted({p for _, p in plan.recompute})) or "none"
     return (name, *rec.row(), *_solved(plan), f"{plan.step_time * 1e3:.3f} ms (recompute: {recomputed})")
 
