@@ -126,8 +126,9 @@ class Plan:
     (FSDP's, each microbatch's; DDP's under accumulation, once per step); `alternatives`: given a number
     of GPUs for the mesh, the other meshes tried (autojigsaw.plan.MeshChoice); `pipeline`: with a pipe
     axis, the stages (autojigsaw.plan.Pipeline), each with its plan on the other axes; `moe_imbalance`:
-    the routing that routed experts' times and bytes are predicted at (Options.moe_imbalance). print()
-    gives the table.
+    the routing that routed experts' times and bytes are predicted at (Options.moe_imbalance);
+    `whole_inputs`: each rank is passed every input whole and holds it (False: its shards, as with
+    Options.input_placements). print() gives the table.
 
         plan = autojigsaw.plan(model, (x,), {"domain": 2, "tensor": 2})  # an autojigsaw.Plan
         open("plan.json", "w").write(plan.to_json())
@@ -157,6 +158,7 @@ class Plan:
     alternatives: tuple[MeshChoice, ...] = field(default=(), compare=False)  # the meshes a chosen mesh beat
     pipeline: Pipeline | None = None  # the stages over a pipe axis, each with its plan on the other axes
     moe_imbalance: float = 1.0  # the routing routed experts are priced at: busiest rank's tokens / mean
+    whole_inputs: bool = True  # each rank is passed every input whole and holds it (False: its shards)
     gap: float | None = field(default=None, compare=False)  # what its solve proved (0: optimal); None: not solved
 
     def __getstate__(self) -> dict:
@@ -368,6 +370,8 @@ class Plan:
             data["sums_once"] = True
         if self.moe_imbalance != 1.0:
             data["moe_imbalance"] = self.moe_imbalance
+        if not self.whole_inputs:
+            data["whole_inputs"] = False
         if self.gap is not None:
             data["gap"] = self.gap
         if self.pipeline is not None:
@@ -411,7 +415,7 @@ class Plan:
             precision=d.get("precision", "model dtype"), recompute=tuple(tuple(r) for r in d.get("recompute", ())),
             data_parallel=d.get("data_parallel"), microbatches=d.get("microbatches", 1),
             sums_once=d.get("sums_once", False), pipeline=pipeline, moe_imbalance=d.get("moe_imbalance", 1.0),
-            gap=d.get("gap"),
+            whole_inputs=d.get("whole_inputs", True), gap=d.get("gap"),
             memory_allocated=d.get("memory_allocated"),
         )
 

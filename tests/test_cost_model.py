@@ -87,6 +87,17 @@ def test_an_input_is_held_as_the_caller_passes_it():
         autojigsaw.plan(*small_model("mlp", (8, 64, 16)), {"tensor": 2}, device="cpu", memory_budget=50_000)
 
 
+def test_a_plan_records_how_its_inputs_are_passed():
+    """evaluate prices a plan's inputs as the plan was made for them (it priced them whole), and the JSON keeps it."""
+    model, inputs = small_model("mlp", (8, 64, 16))
+    for options, whole in (({"constraints": {"x": lambda s: s.outputs[0] == (Shard(0),)}}, True),
+                           ({"input_placements": [(Shard(0),)]}, False)):
+        plan = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", **options)
+        again = autojigsaw.Plan.from_json(plan.to_json())
+        assert plan.whole_inputs is again.whole_inputs is whole
+        assert autojigsaw.evaluate(again, model, inputs, device="cpu").memory_per_rank == plan.memory_per_rank
+
+
 def test_collective_bytes_and_ring_or_tree_time():
     assert bytes_sent("all_gather", 100, 4) == 300 and bytes_sent("reduce_scatter", 400, 4) == 300
     assert bytes_sent("all_reduce", 400, 4) == 600 and bytes_sent("all_to_all", 400, 4) == 300

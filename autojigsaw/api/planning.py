@@ -113,7 +113,7 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
         on_a100 = autojigsaw.evaluate(plan, model, (x,), device="a100")
         print(on_a100.step_time, on_a100.memory_per_rank)
     """
-    regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel)
+    regime = Regime(Precision.of(mp_policy), "none", plan.data_parallel, whole_inputs=plan.whole_inputs)
     captured = capture_for(model, _positional(example_inputs), dict(example_kwargs or {}), regime)
     annotate(captured.gm, plan.mesh, _data_axis_pins(captured, plan), plan.output_placements)
     imbalance = plan.moe_imbalance if moe_imbalance is None else moe_imbalance
@@ -129,5 +129,5 @@ def evaluate(plan: Plan, model: torch.nn.Module, example_inputs: Sequence, *, de
     facts = allocator_facts(nodes, captured.params, problem.grad, ctx.device, training=plan.training)
     held = footprint(problem, solution.choice, facts, ctx.device, plan.memory_budget or ctx.device.memory_bytes)
     evaluated = with_regime(assemble(captured, problem, solution, ctx, plan.memory_budget, held), ctx, plan.recompute)
-    evaluated = replace(evaluated, moe_imbalance=imbalance)
+    evaluated = replace(evaluated, moe_imbalance=imbalance, whole_inputs=plan.whole_inputs)
     return with_data_traffic(with_traffic(evaluated, captured), captured, ctx, problem.grad)

@@ -102,7 +102,7 @@ def plan_captured(captured: Captured, mesh: MeshSpec, options: Options = Options
                                whole_inputs=regime.whole_inputs)
     t3 = time.perf_counter()
     planned = with_regime(assemble(captured, problem, solution, ctx, budget, fitted.footprint), ctx, chosen.layers)
-    planned = replace(planned, moe_imbalance=options.moe_imbalance)
+    planned = replace(planned, moe_imbalance=options.moe_imbalance, whole_inputs=regime.whole_inputs)
     planned = with_data_traffic(with_traffic(planned, captured), captured, ctx, problem.grad)
     stats = PlanStats(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, problem.n_nodes, problem.n_groups,
                       problem.n_binaries, solution.solves, len(solution.cuts), solution.gap)
