@@ -43,7 +43,8 @@ class Options:
     - `memory_budget`: bytes per rank (on a GPU spec, what torch's caching allocator reserves:
       `plan.memory_per_rank`); None: all but HEADROOM (10 %) of the device's memory for `plan`, of this
       rank's free memory for `parallelize` (on CPU of the host's memory divided by its ranks).
-    - `optimizer`: whose state is priced: "adam", "adamw", "sgd", "momentum", "adagrad", "rmsprop", or an
+    - `optimizer`: whose state and step are priced: "adam", "adamw" (torch's, fused or foreach),
+      "decoupled_adamw" (Composer's, a kernel per op), "sgd", "momentum", "adagrad", "rmsprop", or an
       autojigsaw.cost_model.memory.Optimizer.
     - `input_placements`: per input tensor, DTensor placements with one per mesh axis (`(Shard(0),
       Replicate())`) or None to let autojigsaw choose; None: it chooses all. Given to `parallelize`, the

@@ -78,7 +78,7 @@ def plan_options(run: PublishedRun) -> dict:
     """The keyword options of autojigsaw.plan that say how a run trains: its precision, recomputation,
     data parallelism, and what comes back whole."""
     options = {"mp_policy": MixedPrecisionPolicy(param_dtype=_COMPUTE_DTYPE[run.precision], reduce_dtype=torch.float32),
-               "activation_checkpointing": run.recompute,
+               "activation_checkpointing": run.recompute, "optimizer": run.optimizer,
                # The loss comes back whole; the logits stay wherever the planner puts them (a training loop
                # reads the loss only), as in the published runs, whose models never return them.
                "output_placements": [tuple(Replicate() for _ in run.mesh), None]}

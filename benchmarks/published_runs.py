@@ -25,7 +25,8 @@ ASYNC_TP = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan
 # MosaicML's MPT runs: Composer's FSDP (FULL_SHARD, "DEFAULT" mixed precision: bf16 compute, fp32 gradient
 # reductions), FlashAttention, eager, on H100 80 GB; only rows without gradient accumulation (one
 # microbatch per step, as the plan prices it). MPT as GPT-2's config: d_model, n_heads, n_layers,
-# expansion 4, vocab 50368, tied embeddings (MPT has no biases and ALiBi instead of learned positions).
+# expansion 4, vocab 50368, tied embeddings (MPT has no biases and ALiBi instead of learned positions). Their
+# optimizer is Composer's DecoupledAdamW (scripts/train/yamls/pretrain/mpt-*.yaml: decoupled_adamw).
 MPT = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 PTDP = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
         "arXiv 2104.04473, Table 1 (also NVIDIA/Megatron-LM README, 2021)")
@@ -77,6 +78,7 @@ class PublishedRun:
     memory_gib: float | None = None  # peak per GPU, as published
     mfu: float | None = None  # as the source states it (its own FLOP count)
     memory_budget: float | None = None  # bytes the plan may use per GPU (None: 90 % of the device)
+    optimizer: str = "adam"  # the optimizer step the run takes, by autojigsaw's name (fused or foreach AdamW)
     note: str = ""
     # "planned": the planner chooses the layout; "tensor-parallel": the run's Megatron-style layout is
     # imposed on the "tensor" axis (its matrix weights split there, never gathered: benchmarks/layouts.py);
@@ -130,7 +132,7 @@ def _mpt(size: str, gpus: int, micro_batch: int, recompute: str, tokens_per_s: f
     return PublishedRun(
         f"mpt-{size}-fsdp{gpus}", "gpt2", _MPT[size], gpus=gpus, device="h100", mesh={"data": gpus},
         global_batch=micro_batch * gpus, seq=2048, precision="bf16 mixed", recompute=recompute, data_parallel="fsdp",
-        compiled=False, tokens_per_s_per_gpu=tokens_per_s,
+        compiled=False, tokens_per_s_per_gpu=tokens_per_s, optimizer="decoupled_adamw",
         source=f"{MPT}, table '{table}', row {size} 2048 {gpus} (MicroBatchSize {micro_batch}, GradAccum 1)",
         note="Composer FSDP FULL_SHARD, activation checkpointing " + ("on" if recompute == "full" else "off"))
 

@@ -142,7 +142,7 @@ def node_costs(node: Node, strategies: list[Strategy], ctx: CostContext, grad: b
         nbytes = np.prod(local, axis=1) * val.dtype.itemsize
         placements = [s.outputs[0] for s in strategies]
         masters = nbytes * np.array([ctx.param_memory(node, p).state for p in placements])  # the optimizer's reads
-        step = (memory_time(masters * (3 + 2 * ctx.optimizer.states), ctx.device, "optimizer") if grad
+        step = (memory_time(masters * ctx.optimizer.step_passes, ctx.device, "optimizer") if grad
                 else np.zeros_like(nbytes))
         comm = np.array([ctx.data_comm(b, node, p, trained=grad)[0] for b, p in zip(nbytes, placements)], dtype=float)
         return NodeCosts(step, data_s=comm) if ctx.fsdp_layers else NodeCosts(step + comm)
