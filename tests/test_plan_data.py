@@ -70,7 +70,8 @@ def test_evaluate_prices_a_plan_whose_view_reads_a_slice_of_its_whole_input():
     model, inputs = _Permuted(), (torch.randn(4, 8, 16),)
     whole, split = (Replicate(), Replicate()), (Replicate(), Shard(1))
     plan = autojigsaw.plan(model, inputs, {"data": 1, "tensor": 2}, device="cpu",
-                           constraints={"x": lambda s: s.outputs[0] == whole, "permute": lambda s: s.inputs[0] == split})
+                           constraints={"x": lambda s: s.outputs[0] == whole,
+                                        "permute": lambda s: s.inputs[0] == split})
     assert plan.input_placements == (whole,) and plan.node("permute").inputs == (split,)
     again = autojigsaw.evaluate(plan, model, inputs, device="cpu")
     assert (again.step_time, again.memory_per_rank) == (plan.step_time, plan.memory_per_rank)
