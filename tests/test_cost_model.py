@@ -62,6 +62,9 @@ def test_a_step_of_accumulated_microbatches_holds_their_gradients_and_the_whole_
         assert abs(r.memory_error) <= 0.01, (r.predicted_peak, r.peak)
 
 
+_X_SPLIT = {"x": lambda strategy: strategy.outputs[0] == (Shard(0),)}  # the MLP's input split by batch
+
+
 def _input_items(**options) -> list[tuple[float, int, int]]:
     """(bytes, first point, last point) of the memory items of the MLP's input x (8 x 64 x 16 floats) on tensor=2,
     its batch split; the step's last point is 20."""
@@ -78,10 +81,9 @@ def test_an_input_is_held_as_the_caller_passes_it():
     the caller's fp32 x lives all step and its shard is cast, a copy (8 KiB) from x's point to its last reader;
     passed as this rank's shards (input_placements), the shard (16 KiB) alone. A budget that does not fit says that
     x is held whole and how not to."""
-    split = {"x": lambda strategy: strategy.outputs[0] == (Shard(0),)}
-    assert _input_items(constraints=split) == [(32768, 0, 20)]
+    assert _input_items(constraints=_X_SPLIT) == [(32768, 0, 20)]
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    assert _input_items(constraints=split, mp_policy=bf16) == [(32768, 0, 20), (8192, 4, 8)]
+    assert _input_items(constraints=_X_SPLIT, mp_policy=bf16) == [(32768, 0, 20), (8192, 4, 8)]
     assert _input_items(input_placements=[(Shard(0),)]) == [(16384, 4, 8)]
     with pytest.raises(ValueError, match="holds the input x whole, as passed: input_placements= passes each rank"):
         autojigsaw.plan(*small_model("mlp", (8, 64, 16)), {"tensor": 2}, device="cpu", memory_budget=50_000)
@@ -90,8 +92,7 @@ def test_an_input_is_held_as_the_caller_passes_it():
 def test_a_plan_records_how_its_inputs_are_passed():
     """evaluate prices a plan's inputs as the plan was made for them (it priced them whole), and the JSON keeps it."""
     model, inputs = small_model("mlp", (8, 64, 16))
-    for options, whole in (({"constraints": {"x": lambda s: s.outputs[0] == (Shard(0),)}}, True),
-                           ({"input_placements": [(Shard(0),)]}, False)):
+    for options, whole in (({"constraints": _X_SPLIT}, True), ({"input_placements": [(Shard(0),)]}, False)):
         plan = autojigsaw.plan(model, inputs, {"tensor": 2}, device="cpu", **options)
         again = autojigsaw.Plan.from_json(plan.to_json())
         assert plan.whole_inputs is again.whole_inputs is whole
